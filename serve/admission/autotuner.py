@@ -1,0 +1,148 @@
+"""The autotuner loop: every ``interval_s`` sample the signals, ask the controller, apply.
+
+I/O lives here (clock, NVML, the limiter, Prometheus gauges); the decision logic is the pure
+:class:`serve.admission.controller.Controller`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from serve.admission import metrics
+from serve.admission.controller import Controller, Decision, Signals
+from serve.admission.limiter import AdmissionLimiter
+from serve.admission.signals import EngineStatsFeed
+
+log = logging.getLogger("serve.autotuner")
+
+Mode = Literal["auto", "static"]
+
+
+class GpuUtilization:
+    """Mean GPU utilization (0-1) from NVML (``nvidia-ml-py``); ``None`` where no GPU/NVML."""
+
+    def __init__(self) -> None:
+        self._handles: list = []
+        self._nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                             for i in range(pynvml.nvmlDeviceGetCount())]
+            self._nvml = pynvml
+        except Exception:  # noqa: BLE001 - no driver, no GPU, no package: unavailable
+            self._handles = []
+
+    @property
+    def available(self) -> bool:
+        return bool(self._handles)
+
+    def read(self) -> float | None:
+        """Utilization over NVML's last sample period, 0-1, or None when unavailable."""
+        if not self._handles:
+            return None
+        try:
+            rates = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
+        except Exception:  # noqa: BLE001 - a transient NVML error is "unknown", not 0
+            return None
+        return sum(rates) / len(rates) / 100.0
+
+
+class Autotuner:
+    """Samples signals every ``interval_s`` and moves the limiter's limit (mode ``auto``).
+
+    In mode ``static`` it still samples (for ``/admin/autotuner`` and the metrics) but never
+    changes the limit.
+    """
+
+    def __init__(self, controller: Controller, limiter: AdmissionLimiter, feed: EngineStatsFeed,
+                 mode: Mode = "auto", interval_s: float = 2.0,
+                 gpu: GpuUtilization | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.controller = controller
+        self.limiter = limiter
+        self.feed = feed
+        self.mode = mode
+        self.interval_s = interval_s
+        self.gpu = gpu if gpu is not None else GpuUtilization()
+        self.gpu_gauge = metrics.GpuUtilizationGauge()
+        self._clock = clock
+        self._last_preemptions = feed.preemptions_total
+        self.last_signals: Signals | None = None
+        self._task: asyncio.Task | None = None
+        self.limiter.set_limit(controller.limit)
+
+    def sample(self) -> Signals:
+        """Read every signal now."""
+        snap = self.limiter.snapshot()
+        preempted = self.feed.preemptions_total - self._last_preemptions
+        self._last_preemptions = self.feed.preemptions_total
+        return Signals(
+            t=self._clock(),
+            pending=snap.pending,
+            in_flight=snap.in_flight,
+            engine_running=self.feed.running,
+            engine_waiting=self.feed.waiting,
+            kv_cache_usage=self.feed.kv_cache_usage,
+            preemptions=preempted,
+            ttft_p90_s=self.feed.ttft.percentile(90),
+            itl_p90_s=self.feed.itl.percentile(90),
+            gpu_utilization=self.gpu.read(),
+        )
+
+    def tick(self) -> Decision:
+        """One control step: sample, decide, apply, export."""
+        signals = self.sample()
+        self.last_signals = signals
+        self.gpu_gauge.set(signals.gpu_utilization)
+        if self.mode == "auto":
+            decision = self.controller.step(signals)
+            if decision.new_limit != self.limiter.limit:
+                self.limiter.set_limit(decision.new_limit)
+            if decision.direction != "hold":
+                log.info("max_num_seqs %d -> %d (%s)", decision.old_limit, decision.new_limit,
+                         decision.reason)
+        else:
+            limit = self.limiter.limit
+            decision = Decision(signals.t, limit, limit, "hold", "static")
+            self.controller.decisions.append(decision)
+        metrics.record_decision(decision.direction, decision.reason)
+        return decision
+
+    async def run(self) -> None:
+        """Tick forever every ``interval_s`` (a failing tick is logged, never fatal)."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001
+                log.exception("autotuner tick failed")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="autotuner")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def state(self) -> dict:
+        """JSON for ``GET /admin/autotuner``."""
+        s = self.last_signals
+        return {
+            "mode": self.mode,
+            "interval_s": self.interval_s,
+            "limit": self.limiter.limit,
+            "in_flight": self.limiter.in_flight,
+            "pending": self.limiter.pending,
+            "gpu_utilization_available": self.gpu.available,
+            "last_signals": None if s is None else s.__dict__,
+            **{k: v for k, v in self.controller.state().items() if k != "limit"},
+        }

@@ -1,0 +1,201 @@
+"""The live ``max_num_seqs`` autotuner: a pure controller (signals in, new limit + reason out).
+
+Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
+
+- **Decrease** multiplicatively (``limit * decrease_factor``) on any sign of overload:
+  engine-side TTFT p90 or ITL p90 over target, a preemption since the last tick, or KV-cache
+  usage at/above ``kv_high_ratio``. Then hold for ``cooldown_s`` so the effect can show before
+  the next move.
+- **Increase** additively (``max(1, ceil(limit * increase_ratio))``, at most ``max_step``)
+  only when the limit is what binds (in-flight >= limit), requests are queued at the gateway,
+  and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
+  already saturated).
+- **Hold** otherwise (the band between ``headroom`` x target and target is the hysteresis
+  that prevents oscillation under steady load).
+- Bounds ``[min_seqs, ceiling]`` always; ``ceiling`` is the engine's ``--max-num-seqs``.
+
+Sources: Netflix concurrency-limits ``AIMDLimit`` / ``Gradient2Limit`` (multiplicative backoff
+on a latency signal, additive probe; algorithm separate from enforcement), Envoy adaptive
+concurrency filter (periodic sampling interval, named constants, min/max bounds), TCP
+congestion avoidance (AIMD, Chiu & Jain 1989) and DistServe (Zhong et al., OSDI 2024) for the
+objective: goodput = completed requests per second meeting both their TTFT and ITL (TPOT)
+targets. The latency signals are measured *engine-side* (from admission, excluding the
+gateway queue) so that queueing caused by a too-small limit is read as demand, not as overload.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Direction = Literal["up", "down", "hold"]
+
+#: ``reason`` label values of ``phi3v_autotuner_decisions_total``.
+REASONS = ("demand", "slo_ttft", "slo_itl", "preemption", "kv_cache", "cooldown", "steady",
+           "idle", "static", "bound")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Constants of the autotuner; each has a unit and a reason.
+
+    Attributes:
+        min_seqs: floor of the limit (requests). Never starve the engine completely.
+        ceiling: top of the limit (requests): the engine's ``max_num_seqs``.
+        ttft_target_s: TTFT target in seconds (p90, engine-side).
+        itl_target_s: inter-token latency target in seconds (p90).
+        headroom: increase only while latency < headroom x target (0.7: 30 % margin keeps the
+            next step from overshooting; the gap to 1.0 is the hysteresis band).
+        decrease_factor: multiplicative backoff (0.75: TCP-like halving is too harsh for a
+            batch engine whose latency grows sub-linearly with batch size).
+        increase_ratio: additive step as a fraction of the limit (0.25: reach the ceiling from
+            1 in ~O(log) ticks early on, gently near the top).
+        max_step: most requests added per tick (bounds the overshoot of one probe).
+        cooldown_s: seconds without increases after a decrease (>= 2 sampling intervals, so the
+            decrease shows in the latency window before the next decision).
+        kv_high_ratio: KV-cache usage (0-1) treated as full: vLLM preempts soon after.
+        gpu_busy_ratio: GPU utilization (0-1) above which adding sequences is not expected to
+            add throughput; ignored where utilization is unavailable (CPU).
+    """
+
+    min_seqs: int = 1
+    ceiling: int = 256
+    ttft_target_s: float = 2.0
+    itl_target_s: float = 0.1
+    headroom: float = 0.7
+    decrease_factor: float = 0.75
+    increase_ratio: float = 0.25
+    max_step: int = 16
+    cooldown_s: float = 6.0
+    kv_high_ratio: float = 0.95
+    gpu_busy_ratio: float = 0.98
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_seqs <= self.ceiling:
+            raise ValueError("need 1 <= min_seqs <= ceiling")
+        if not 0 < self.decrease_factor < 1:
+            raise ValueError("decrease_factor must be in (0, 1)")
+        if not 0 < self.headroom <= 1:
+            raise ValueError("headroom must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Signals:
+    """One sample of the system, taken every ``interval_s``.
+
+    Attributes:
+        t: monotonic time of the sample, seconds.
+        pending: requests queued at the gateway (admission queue length).
+        in_flight: requests admitted into the engine (<= current limit).
+        engine_running: vLLM ``num_requests_running``.
+        engine_waiting: vLLM ``num_requests_waiting``.
+        kv_cache_usage: vLLM KV-cache usage, 0-1.
+        preemptions: engine preemptions since the previous sample.
+        ttft_p90_s: engine-side TTFT p90 over the sliding window, seconds (None: no samples).
+        itl_p90_s: inter-token latency p90 over the window, seconds (None: no samples).
+        gpu_utilization: 0-1 from NVML, None where unavailable (CPU).
+    """
+
+    t: float
+    pending: int = 0
+    in_flight: int = 0
+    engine_running: int = 0
+    engine_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    preemptions: int = 0
+    ttft_p90_s: float | None = None
+    itl_p90_s: float | None = None
+    gpu_utilization: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A controller output: the new limit, which way it moved and why."""
+
+    t: float
+    old_limit: int
+    new_limit: int
+    direction: Direction
+    reason: str
+
+
+@dataclass
+class Controller:
+    """AIMD autotuner for the admission limit (see module docstring).
+
+    Args:
+        config: constants.
+        limit: starting limit (clamped to the bounds).
+        history: how many decisions to keep for ``/admin/autotuner``.
+    """
+
+    config: ControllerConfig
+    limit: int
+    history: int = 50
+    _cooldown_until: float = field(default=float("-inf"), init=False)
+    decisions: deque = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.limit = self._clamp(self.limit)
+        self.decisions = deque(maxlen=self.history)
+
+    def _clamp(self, n: int) -> int:
+        return max(self.config.min_seqs, min(self.config.ceiling, n))
+
+    def overload_reason(self, s: Signals) -> str | None:
+        """Why the engine is overloaded now, or None."""
+        c = self.config
+        if s.preemptions > 0:
+            return "preemption"
+        if s.kv_cache_usage >= c.kv_high_ratio:
+            return "kv_cache"
+        if s.ttft_p90_s is not None and s.ttft_p90_s > c.ttft_target_s:
+            return "slo_ttft"
+        if s.itl_p90_s is not None and s.itl_p90_s > c.itl_target_s:
+            return "slo_itl"
+        return None
+
+    def has_headroom(self, s: Signals) -> bool:
+        """Latency (and GPU, when known) leave room for more sequences."""
+        c = self.config
+        ttft_ok = s.ttft_p90_s is None or s.ttft_p90_s < c.headroom * c.ttft_target_s
+        itl_ok = s.itl_p90_s is None or s.itl_p90_s < c.headroom * c.itl_target_s
+        gpu_ok = s.gpu_utilization is None or s.gpu_utilization < c.gpu_busy_ratio
+        return ttft_ok and itl_ok and gpu_ok
+
+    def step(self, s: Signals) -> Decision:
+        """Decide the next limit from one sample; updates ``self.limit``."""
+        c = self.config
+        old = self.limit
+        reason = self.overload_reason(s)
+        if reason is not None:
+            new = self._clamp(math.floor(old * c.decrease_factor))
+            self._cooldown_until = s.t + c.cooldown_s
+            direction: Direction = "down" if new < old else "hold"
+            if new == old:
+                reason = "bound"
+        elif s.t < self._cooldown_until:
+            new, direction, reason = old, "hold", "cooldown"
+        elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s):
+            step = min(c.max_step, max(1, math.ceil(old * c.increase_ratio)))
+            new = self._clamp(old + step)
+            direction, reason = ("up", "demand") if new > old else ("hold", "bound")
+        elif s.in_flight == 0 and s.pending == 0:
+            new, direction, reason = old, "hold", "idle"
+        else:
+            new, direction, reason = old, "hold", "steady"
+        self.limit = new
+        decision = Decision(s.t, old, new, direction, reason)
+        self.decisions.append(decision)
+        return decision
+
+    def state(self) -> dict:
+        """JSON-able state for ``GET /admin/autotuner``."""
+        return {
+            "limit": self.limit,
+            "config": asdict(self.config),
+            "cooldown_until": None if math.isinf(self._cooldown_until) else self._cooldown_until,
+            "decisions": [asdict(d) for d in self.decisions],
+        }

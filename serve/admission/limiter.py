@@ -1,0 +1,248 @@
+"""Admission limiter: at most ``limit`` requests inside the engine, a bounded FIFO queue before it.
+
+The live ``limit`` *is* the stack's effective ``max_num_seqs``: vLLM's scheduler copies
+``max_num_seqs`` once at start (worker buffers are sized from it), so the engine's value is the
+ceiling and this limiter is the safe actuator in front of it. Lowering the limit never aborts a
+running request; it only admits nothing new until the in-flight count drains below it.
+
+Enforcement is split from the algorithm as in Netflix concurrency-limits (``Limiter`` vs
+``Limit``): the autotuner (``serve.admission.controller``) computes the limit, this class only
+enforces it. Every :meth:`AdmissionLimiter.acquire` that returns a :class:`Slot` must end in
+exactly one :meth:`Slot.release` (later calls are ignored), whatever happens to the request.
+
+Pure asyncio: no engine, no HTTP, so it is testable in isolation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: Reasons a request is rejected (the ``reason`` label of ``phi3v_rejected_requests_total``).
+QUEUE_FULL = "queue_full"
+QUEUE_TIMEOUT = "queue_timeout"
+SLO = "slo"
+REJECT_REASONS = (QUEUE_FULL, QUEUE_TIMEOUT, SLO)
+
+
+class Rejected(Exception):
+    """Raised by :meth:`AdmissionLimiter.acquire` when a request is not admitted.
+
+    Attributes:
+        reason: one of :data:`REJECT_REASONS`.
+        retry_after_s: suggested wait before retrying, whole seconds >= 1 (HTTP ``Retry-After``).
+        queue_wait_s: seconds the request spent queued before the rejection.
+    """
+
+    def __init__(self, reason: str, retry_after_s: int, message: str,
+                 queue_wait_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.queue_wait_s = queue_wait_s
+
+
+class Slot:
+    """One admitted request's place in the engine. Release it exactly once."""
+
+    __slots__ = ("_limiter", "_released", "admitted_at", "queue_wait_s")
+
+    def __init__(self, limiter: "AdmissionLimiter", admitted_at: float, queue_wait_s: float):
+        self._limiter = limiter
+        self._released = False
+        self.admitted_at = admitted_at
+        self.queue_wait_s = queue_wait_s
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self, completed: bool = True) -> bool:
+        """Give the slot back. ``completed`` feeds the completion-rate estimate.
+
+        Returns True the first time, False (and does nothing) on any later call.
+        """
+        if self._released:
+            return False
+        self._released = True
+        self._limiter._on_release(completed)
+        return True
+
+
+@dataclass
+class LimiterSnapshot:
+    """Point-in-time view of the limiter (for metrics and the autotuner)."""
+
+    limit: int
+    in_flight: int
+    pending: int
+    completion_rate_per_s: float | None
+
+
+class AdmissionLimiter:
+    """FIFO admission gate with a live limit.
+
+    Args:
+        limit: initial number of requests allowed in the engine at once (>= 1).
+        max_queue: most requests waiting for a slot; one more is rejected ``queue_full``.
+        max_queue_wait_s: a queued request not admitted within this many seconds is rejected
+            ``queue_timeout``.
+        rate_window_s: seconds of completions used to estimate the completion rate (for
+            ``Retry-After`` and SLO shedding).
+        clock: monotonic clock in seconds (injectable for tests).
+    """
+
+    def __init__(self, limit: int, max_queue: int, max_queue_wait_s: float,
+                 rate_window_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self._limit = limit
+        self.max_queue = max_queue
+        self.max_queue_wait_s = max_queue_wait_s
+        self.rate_window_s = rate_window_s
+        self._clock = clock
+        self._in_flight = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._completions: collections.deque[float] = collections.deque()
+
+    # --- state --------------------------------------------------------------------------
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet released."""
+        return self._in_flight
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting in the queue."""
+        return sum(1 for w in self._waiters if not w.done())
+
+    def snapshot(self) -> LimiterSnapshot:
+        return LimiterSnapshot(self._limit, self._in_flight, self.pending,
+                               self.completion_rate())
+
+    def set_limit(self, limit: int) -> None:
+        """Change the limit now. Raising it admits queued requests at once; lowering it
+        admits nothing until in-flight requests drain below it (none is aborted)."""
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self._limit = limit
+        self._wake()
+
+    # --- estimates ----------------------------------------------------------------------
+    def completion_rate(self) -> float | None:
+        """Completed requests per second over the last ``rate_window_s`` (None: no data)."""
+        now = self._clock()
+        while self._completions and self._completions[0] < now - self.rate_window_s:
+            self._completions.popleft()
+        if len(self._completions) < 2:
+            return None
+        span = max(now - self._completions[0], 1e-3)
+        return len(self._completions) / span
+
+    def expected_wait_s(self, position: int) -> float | None:
+        """Expected seconds until a request ``position`` places from the head (0 = next) is
+        admitted: ``(position + 1) / completion_rate`` (Little's law on the drain rate).
+        None when all slots are free or no rate is known yet."""
+        if self._in_flight < self._limit and position == 0:
+            return 0.0
+        rate = self.completion_rate()
+        if rate is None:
+            return None
+        return (position + 1) / rate
+
+    def retry_after_s(self) -> int:
+        """Suggested ``Retry-After`` in whole seconds (1..60) from queue length and drain rate."""
+        wait = self.expected_wait_s(self.pending)
+        if wait is None:
+            return 1
+        return int(min(60, max(1, math.ceil(wait))))
+
+    # --- admission ----------------------------------------------------------------------
+    async def acquire(self, ttft_target_s: float | None = None) -> Slot:
+        """Wait for a slot, FIFO.
+
+        Args:
+            ttft_target_s: if given, a request whose expected queue wait already exceeds it is
+                shed at once (reason ``slo``): it could not meet its TTFT target anyway.
+
+        Returns:
+            the request's :class:`Slot`.
+
+        Raises:
+            Rejected: queue full, wait over ``max_queue_wait_s``, or SLO shedding.
+            asyncio.CancelledError: the caller was cancelled (client left); the request has
+                left the queue and holds no slot.
+        """
+        start = self._clock()
+        if self._in_flight < self._limit and not self.pending:
+            return self._admit(start)
+        if self.pending >= self.max_queue:
+            raise Rejected(QUEUE_FULL, self.retry_after_s(),
+                           f"Server busy: {self.pending} requests already queued "
+                           f"(max_queue={self.max_queue}).")
+        if ttft_target_s is not None:
+            wait = self.expected_wait_s(self.pending)
+            if wait is not None and wait > ttft_target_s:
+                raise Rejected(SLO, self.retry_after_s(),
+                               f"Server busy: expected queue wait {wait:.1f}s exceeds the "
+                               f"TTFT target {ttft_target_s:.1f}s.")
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.max_queue_wait_s)
+        except asyncio.TimeoutError:
+            self._abandon(fut)
+            raise Rejected(QUEUE_TIMEOUT, self.retry_after_s(),
+                           f"Server busy: not admitted within max_queue_wait_s="
+                           f"{self.max_queue_wait_s:g}s.",
+                           queue_wait_s=self._clock() - start) from None
+        except BaseException:
+            self._abandon(fut)
+            raise
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # Granted in the same tick the client left: wait_for swallowed the cancellation.
+            self._abandon(fut)
+            raise asyncio.CancelledError
+        return Slot(self, self._clock(), self._clock() - start)
+
+    def _admit(self, start: float) -> Slot:
+        self._in_flight += 1
+        now = self._clock()
+        return Slot(self, now, now - start)
+
+    def _abandon(self, fut: asyncio.Future) -> None:
+        """A waiter leaves (timeout, cancel). If it had been granted a slot meanwhile, hand the
+        slot back, so no slot leaks."""
+        if fut.done() and not fut.cancelled():
+            self._in_flight -= 1
+            self._wake()
+        else:
+            fut.cancel()
+            try:
+                self._waiters.remove(fut)
+            except ValueError:
+                pass
+
+    def _on_release(self, completed: bool) -> None:
+        self._in_flight -= 1
+        if completed:
+            self._completions.append(self._clock())
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._in_flight < self._limit:
+            fut = self._waiters.popleft()
+            if fut.done():
+                continue
+            self._in_flight += 1
+            fut.set_result(None)

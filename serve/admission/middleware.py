@@ -1,0 +1,217 @@
+"""ASGI admission middleware for the generation routes, and goodput accounting.
+
+For ``POST /v1/chat/completions`` (and ``/v1/completions``): buffer the body, take a slot from
+the :class:`~serve.admission.limiter.AdmissionLimiter` (a client that leaves while queued
+leaves the queue), forward to vLLM's app, and release the slot exactly once when the response
+ends, however it ends. Refusals are 429 with ``Retry-After`` and an OpenAI-style error.
+
+Goodput (DistServe's definition, as ``vllm bench serve --goodput``): a finished request counts
+when its TTFT <= the TTFT target and its mean inter-token latency (TPOT) <= the ITL target,
+both measured here, as the client sees them (queue wait included). A non-streamed request has
+no visible first token, so it counts when its E2E latency <= TTFT target + ITL target x
+(completion tokens - 1), the same budget spread over the whole answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.admission import metrics
+from serve.admission.limiter import AdmissionLimiter, Rejected
+from serve.errors import openai_error
+
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    """Per-request latency targets, seconds."""
+
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass
+class ResponseTracker:
+    """Watches one response's ASGI messages: status, chunk times, completion."""
+
+    arrival: float
+    clock: Callable[[], float]
+    status: int | None = None
+    streaming: bool = False
+    chunk_times: list[float] = field(default_factory=list)
+    done_marker: bool = False
+    finished: bool = False
+    body: bytearray = field(default_factory=bytearray)
+
+    def wrap(self, send: Send) -> Send:
+        async def tracked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.status = message["status"]
+                headers = dict(message.get("headers") or [])
+                self.streaming = b"text/event-stream" in headers.get(b"content-type", b"")
+            elif message["type"] == "http.response.body":
+                chunk = message.get("body", b"")
+                if chunk:
+                    self.chunk_times.append(self.clock())
+                    if self.streaming:
+                        self.done_marker = self.done_marker or b"data: [DONE]" in chunk
+                    elif len(self.body) < 1 << 20:
+                        self.body.extend(chunk)
+                if not message.get("more_body", False):
+                    self.finished = True
+            await send(message)
+        return tracked
+
+    @property
+    def completed(self) -> bool:
+        """The whole answer reached the client with HTTP 200."""
+        if self.status != 200 or not self.finished:
+            return False
+        return self.done_marker if self.streaming else True
+
+    def ttft_s(self) -> float | None:
+        return self.chunk_times[0] - self.arrival if self.chunk_times else None
+
+    def mean_itl_s(self) -> float | None:
+        """Mean gap between streamed chunks after the first (one chunk per engine step)."""
+        t = self.chunk_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    def completion_tokens(self) -> int | None:
+        with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+            return int(json.loads(bytes(self.body))["usage"]["completion_tokens"])
+        return None
+
+    def meets(self, slo: SloTargets) -> bool:
+        """Whether a completed request met its targets (see module docstring)."""
+        if self.streaming:
+            ttft, itl = self.ttft_s(), self.mean_itl_s()
+            return (ttft is not None and ttft <= slo.ttft_s
+                    and (itl is None or itl <= slo.itl_s))
+        e2e = self.chunk_times[-1] - self.arrival if self.chunk_times else None
+        tokens = self.completion_tokens() or 1
+        return e2e is not None and e2e <= slo.ttft_s + slo.itl_s * max(0, tokens - 1)
+
+
+def count_images(body: bytes) -> int:
+    """Number of ``image_url`` parts in a chat request body (0 when unparseable)."""
+    try:
+        messages = json.loads(body).get("messages") or []
+        return sum(1 for m in messages if isinstance(m, dict)
+                   for part in (m.get("content") if isinstance(m.get("content"), list) else [])
+                   if isinstance(part, dict) and part.get("type") == "image_url")
+    except (ValueError, AttributeError):
+        return 0
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was admitted."""
+
+
+async def read_body(receive: Receive) -> bytes:
+    """The whole request body. Raises :class:`ClientGone` on disconnect."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields the buffered body once, then the client's real messages
+    (so vLLM still sees ``http.disconnect`` and aborts the engine request)."""
+    sent = False
+
+    async def _receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return _receive
+
+
+class AdmissionMiddleware:
+    """Admission control + goodput accounting in front of vLLM's OpenAI app.
+
+    Args:
+        app: the wrapped ASGI app (vLLM's OpenAI app).
+        limiter: the shared admission limiter.
+        slo: latency targets (goodput and SLO shedding).
+        clock: monotonic clock, seconds.
+    """
+
+    def __init__(self, app: ASGIApp, limiter: AdmissionLimiter, slo: SloTargets,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.app = app
+        self.limiter = limiter
+        self.slo = slo
+        self.clock = clock
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope.get("method") != "POST"
+                or scope.get("path") not in GENERATION_PATHS):
+            await self.app(scope, receive, send)
+            return
+        arrival = self.clock()
+        try:
+            body = await read_body(receive)
+            metrics.IMAGES.observe(count_images(body))
+            slot = await self._acquire(receive)
+        except ClientGone:
+            return
+        except Rejected as rej:
+            metrics.REJECTED.labels(reason=rej.reason).inc()
+            metrics.QUEUE_WAIT.observe(rej.queue_wait_s)
+            response = openai_error(429, str(rej), type_="rate_limit_exceeded",
+                                    headers={"Retry-After": str(rej.retry_after_s),
+                                             "X-Phi3v-Reject-Reason": rej.reason})
+            await response(scope, receive, send)
+            return
+        metrics.QUEUE_WAIT.observe(slot.queue_wait_s)
+        tracker = ResponseTracker(arrival, self.clock)
+        try:
+            await self.app(scope, replay(body, receive), tracker.wrap(send))
+        finally:
+            completed = tracker.completed
+            slot.release(completed=completed)
+            if completed:
+                metrics.FINISHED.inc()
+                if tracker.streaming and tracker.ttft_s() is not None:
+                    metrics.TTFT.observe(tracker.ttft_s())
+                if tracker.meets(self.slo):
+                    metrics.GOODPUT.inc()
+
+    async def _acquire(self, receive: Receive):
+        """Take a slot, giving up (``ClientGone``) if the client disconnects while queued."""
+        lim = self.limiter
+        if lim.in_flight < lim.limit and lim.pending == 0:
+            return await lim.acquire()
+        acquire = asyncio.ensure_future(lim.acquire(ttft_target_s=self.slo.ttft_s))
+        watch = asyncio.ensure_future(receive())
+        try:
+            await asyncio.wait({acquire, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            acquire.cancel()
+            watch.cancel()
+            raise
+        if acquire.done():
+            watch.cancel()
+            return acquire.result()  # a slot, or raises Rejected
+        acquire.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Rejected):
+            slot = await acquire
+            slot.release(completed=False)  # granted in the same tick: hand it back
+        raise ClientGone

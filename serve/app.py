@@ -1,0 +1,206 @@
+"""The ASGI entry point: our operational routes in front of vLLM's OpenAI app.
+
+The HTTP server starts at once and answers ``/health`` and ``/ready`` while the engine boots
+in the background (tens of seconds on CPU, minutes for real weights on GPU); until then every
+API route answers 503 with ``Retry-After``. Once the engine is up, everything that is not ours
+goes to vLLM's own OpenAI app (``serve.engine.build_openai_app``).
+
+Routes owned here:
+
+- ``GET /health``: liveness. 200 while the process and the engine are alive (also while
+  booting), 503 once the engine is dead or failed to start (restart me).
+- ``GET /ready``: readiness. 200 only when the engine can serve, else 503 with the phase.
+- ``GET /metrics``: Prometheus text format: vLLM's ``vllm:*`` series and ours, one registry.
+- ``GET /admin/autotuner``: read-only JSON: live limit, signals, last decisions.
+
+Generation routes pass through admission control (``serve.admission``) before vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from serve import engine as engine_mod
+from serve.admission import Admission
+from serve.errors import openai_error
+from serve.settings import Settings
+
+log = logging.getLogger("serve.app")
+
+#: Seconds a client should wait before retrying while the engine boots.
+BOOT_RETRY_AFTER_S = 5
+
+
+class Phase(str, enum.Enum):
+    """Life cycle of the API process."""
+
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+
+
+@dataclass
+class ServerState:
+    """Mutable state of one API process (one engine). Owned by :class:`Gateway`."""
+
+    phase: Phase = Phase.STARTING
+    engine: Any = None  # vllm AsyncLLM once booted
+    openai_app: ASGIApp | None = None
+    error: str | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    ready_after_s: float | None = None
+
+    def engine_alive(self) -> bool:
+        """False once vLLM reports its engine core dead (``AsyncLLM.errored``)."""
+        return self.engine is None or not self.engine.errored
+
+
+class Gateway:
+    """ASGI app: owns ``/health``, ``/ready``, ``/metrics`` and the engine life cycle.
+
+    Args:
+        settings: the stack's settings.
+        on_fatal: called (no arguments) when the engine fails to boot, so the server can exit
+            with a non-zero status instead of serving 503 forever.
+    """
+
+    def __init__(self, settings: Settings, on_fatal: Callable[[], None] | None = None) -> None:
+        self.settings = settings
+        self.state = ServerState()
+        self._on_fatal = on_fatal
+        self._boot_task: asyncio.Task | None = None
+        self._exit_stack = contextlib.AsyncExitStack()
+        self.admission = Admission.from_settings(settings)
+        self.own = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/ready", self.ready, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/admin/autotuner", self.autotuner_state, methods=["GET"]),
+            ],
+            lifespan=self._lifespan,
+        )
+        self._own_paths = {r.path for r in self.own.routes}
+
+    # --- ASGI -------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan" or scope.get("path") in self._own_paths:
+            await self.own(scope, receive, send)
+            return
+        inner = self.state.openai_app
+        if inner is None or self.state.phase is not Phase.READY:
+            if scope["type"] == "http":
+                await self._unavailable()(scope, receive, send)
+            return
+        await inner(scope, receive, send)
+
+    def _unavailable(self) -> Response:
+        phase = self.state.phase.value
+        return openai_error(
+            503,
+            f"The server is {phase}; the model is not ready to serve yet.",
+            type_="service_unavailable",
+            headers={"Retry-After": str(BOOT_RETRY_AFTER_S)},
+        )
+
+    # --- routes -----------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        """Liveness: 200 unless the engine failed to start or died."""
+        ok = self.state.phase is not Phase.FAILED and self.state.engine_alive()
+        body = {"status": "ok" if ok else "dead", "phase": self.state.phase.value}
+        if self.state.error:
+            body["error"] = self.state.error
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def ready(self, request: Request) -> Response:
+        """Readiness: 200 only while the engine can take requests."""
+        ok = self.state.phase is Phase.READY and self.state.engine_alive()
+        body = {"status": "ready" if ok else "not ready", "phase": self.state.phase.value,
+                "model": self.settings.model_name}
+        headers = None if ok else {"Retry-After": str(BOOT_RETRY_AFTER_S)}
+        return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus exposition of vLLM's registry (which also holds our series)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(_registry()), media_type=CONTENT_TYPE_LATEST)
+
+    async def autotuner_state(self, request: Request) -> Response:
+        """Read-only autotuner state: limit, last signals, recent decisions."""
+        return JSONResponse(self.admission.autotuner.state())
+
+    # --- life cycle -------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette):
+        log.info("effective settings: %s", json.dumps(engine_mod.effective_settings(self.settings)))
+        self._boot_task = asyncio.create_task(self._boot(), name="engine-boot")
+        self._boot_task.add_done_callback(_log_failure)
+        try:
+            yield
+        finally:
+            self.state.phase = Phase.DRAINING
+            if self._boot_task and not self._boot_task.done():
+                self._boot_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._boot_task
+            await self._exit_stack.aclose()
+
+    async def _boot(self) -> None:
+        try:
+            engine = await engine_mod.start_engine(self.settings,
+                                                   stat_loggers=self.admission.stat_loggers())
+            self._exit_stack.callback(engine.shutdown)
+            self.state.engine = engine
+            app = await engine_mod.build_openai_app(engine, self.settings)
+            # Run vLLM's app lifespan (its periodic stats logging) as vLLM's server would.
+            await self._exit_stack.enter_async_context(app.router.lifespan_context(app))
+            self.state.openai_app = self.admission.wrap(app)
+            self.admission.autotuner.start()
+            self._exit_stack.push_async_callback(self.admission.autotuner.stop)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any boot failure is fatal and reported
+            self.state.phase = Phase.FAILED
+            self.state.error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine failed to start")
+            if self._on_fatal:
+                self._on_fatal()
+            return
+        self.state.ready_after_s = time.monotonic() - self.state.started_at
+        self.state.phase = Phase.READY
+        log.info("engine config: %s", json.dumps(engine_mod.engine_config_summary(engine)))
+        log.info("ready in %.1f s: model %r at http://%s:%d/v1", self.state.ready_after_s,
+                 self.settings.model_name, self.settings.host, self.settings.port)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s failed", task.get_name(), exc_info=task.exception())
+
+
+def _registry():
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    return get_prometheus_registry()
+
+
+def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> Gateway:
+    """The ASGI application for ``settings`` (see :class:`Gateway`)."""
+    return Gateway(settings, on_fatal=on_fatal)
+

@@ -1,0 +1,115 @@
+"""Start vLLM's V1 async engine (``AsyncLLM``) and vLLM's own OpenAI app around it.
+
+We do not re-implement the OpenAI protocol: vLLM's FastAPI app (``build_app`` +
+``init_app_state`` from ``vllm.entrypoints.launchers``) serves ``/v1/chat/completions``,
+``/v1/models`` and friends on top of the engine we start here. See ``serve/DESIGN.md``.
+
+vLLM must be imported only after :meth:`serve.settings.Settings.engine_env` has been applied
+to ``os.environ`` (see :func:`apply_engine_env`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from argparse import Namespace
+from typing import TYPE_CHECKING, Any
+
+from serve.settings import Settings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fastapi import FastAPI
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger("serve.engine")
+
+
+def apply_engine_env(settings: Settings) -> None:
+    """Put the engine's required environment into ``os.environ`` (user values win)."""
+    for key, value in settings.engine_env().items():
+        os.environ.setdefault(key, value)
+
+
+def vllm_frontend_args(settings: Settings) -> Namespace:
+    """The ``argparse.Namespace`` vLLM's OpenAI app expects, derived from our settings.
+
+    vLLM's own parser supplies every frontend default (chat template, tool parsers, ...);
+    the engine fields are overwritten from :meth:`Settings.engine_kwargs` so there is one
+    source of truth.
+    """
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", settings.model])
+    for key, value in settings.engine_kwargs().items():
+        setattr(args, key, value)
+    args.host, args.port = settings.host, settings.port
+    return args
+
+
+def build_engine_args(settings: Settings):
+    """vLLM ``AsyncEngineArgs`` for ``settings`` (resolved for the detected hardware)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**settings.engine_kwargs())
+
+
+def effective_settings(settings: Settings) -> dict[str, Any]:
+    """The settings as they take effect (hardware defaults resolved), for the start-up log."""
+    return settings.resolved().model_dump()
+
+
+async def start_engine(settings: Settings, stat_loggers: list | None = None) -> "AsyncLLM":
+    """Create and start vLLM's ``AsyncLLM`` (the V1 ``AsyncLLMEngine``).
+
+    Args:
+        settings: the stack's settings.
+        stat_loggers: extra vLLM ``StatLoggerFactory`` objects; vLLM's own Prometheus logger
+            (the ``vllm:*`` series) is always added by vLLM itself.
+
+    Raises:
+        Whatever vLLM raises when the model directory or the engine configuration is invalid.
+    """
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = build_engine_args(settings)
+    # Construction blocks for the whole model load (seconds on CPU, minutes on GPU): run it in
+    # a thread so the event loop keeps answering /health and /ready meanwhile. AsyncLLM starts
+    # its output handler lazily on the first request when built outside the loop.
+    engine = await asyncio.to_thread(
+        AsyncLLM.from_engine_args,
+        engine_args,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        stat_loggers=stat_loggers,
+    )
+    # Same as vLLM's own server: do not keep the profiling dummy images in the cache.
+    await engine.reset_mm_cache()
+    return engine
+
+
+async def build_openai_app(engine: "AsyncLLM", settings: Settings) -> "FastAPI":
+    """vLLM's own OpenAI-compatible FastAPI app, wired to ``engine``."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    args = vllm_frontend_args(settings)
+    supported_tasks = await engine.get_supported_tasks()
+    app = build_app(args, supported_tasks, engine.model_config)
+    await init_app_state(engine, app.state, args, supported_tasks)
+    return app
+
+
+def engine_config_summary(engine: "AsyncLLM") -> dict[str, Any]:
+    """The scheduler/cache numbers vLLM actually chose (after its own defaults and checks)."""
+    cfg = engine.vllm_config
+    picks = {
+        "scheduler_config": ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"),
+        "model_config": ("max_model_len", "dtype"),
+        "cache_config": ("enable_prefix_caching", "num_gpu_blocks", "block_size"),
+        "parallel_config": ("tensor_parallel_size", "pipeline_parallel_size"),
+    }
+    return {name: str(getattr(getattr(cfg, section), name, None))
+            for section, names in picks.items() for name in names}

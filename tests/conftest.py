@@ -1,0 +1,146 @@
+"""Shared fixtures: one real API server (tiny Phi-3-vision on vLLM, CPU) per test session."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGES = ROOT.parent / "shared" / "images"
+TINY_MODEL = ROOT / "models" / "phi-3-vision-tiny"
+ARTIFACTS = ROOT / "test-artifacts"
+#: Seconds the server may take to become ready (first start on a machine runs vLLM's model
+#: inspection subprocess: ~35 s typical, measured in ../shared/vllm-cpu-notes.md).
+READY_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def data_url(path_or_bytes: Path | bytes, mime: str | None = None) -> str:
+    """A ``data:`` URL for an image file (or raw bytes)."""
+    if isinstance(path_or_bytes, Path):
+        raw = path_or_bytes.read_bytes()
+        mime = mime or {"png": "image/png", "jpg": "image/jpeg", "gif": "image/gif"}.get(
+            path_or_bytes.suffix.lstrip(".").lower(), "application/octet-stream")
+    else:
+        raw = path_or_bytes
+    return f"data:{mime or 'image/png'};base64,{base64.b64encode(raw).decode()}"
+
+
+def png_bytes(image) -> bytes:
+    """Encode a Pillow image as PNG bytes."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def ensure_tiny_model() -> Path:
+    """Build the tiny model (idempotent) and return its directory."""
+    subprocess.run([sys.executable, "-m", "serve.models.build", "--size", "tiny",
+                    "--out", str(TINY_MODEL)], cwd=ROOT, check=True)
+    return TINY_MODEL
+
+
+@dataclass
+class Server:
+    """A running ``python -m serve`` process."""
+
+    base_url: str
+    model: str
+    proc: subprocess.Popen
+    log_path: Path
+    ready_statuses: list[int] = field(default_factory=list)
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Sum of the samples of ``name`` on ``/metrics`` matching ``labels``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        total, found = 0.0, False
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(
+                        sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                    total += sample.value
+                    found = True
+        if not found:
+            raise KeyError(f"{name}{labels or ''} not on /metrics")
+        return total
+
+    def log_tail(self, n: int = 60) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+
+def start_server(extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 name: str = "server") -> Server:
+    """Start the API on a free port and wait until ``/ready`` answers 200.
+
+    Records every ``/ready`` status seen while waiting (the 503s of the boot phase).
+    """
+    model = ensure_tiny_model()
+    port = free_port()
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / f"{name}.log"
+    log = open(log_path, "w")
+    cmd = [sys.executable, "-m", "serve", "--model", str(model), "--port", str(port),
+           *(extra_args or [])]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", model.name, proc, log_path)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_tail()}")
+        try:
+            status = httpx.get(f"{server.base_url}/ready", timeout=2).status_code
+            server.ready_statuses.append(status)
+            if status == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    stop_server(server)
+    raise TimeoutError(f"server not ready in {READY_TIMEOUT_S}s:\n{server.log_tail()}")
+
+
+def stop_server(server: Server) -> None:
+    """SIGINT, then SIGKILL the process group if it does not stop within 30 s."""
+    if server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGINT)
+        try:
+            server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The session's API server (tiny model, CPU defaults)."""
+    srv = start_server()
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def images() -> Path:
+    """Directory of the shared test images (``../shared/images``)."""
+    assert IMAGES.is_dir(), f"missing {IMAGES}"
+    return IMAGES

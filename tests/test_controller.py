@@ -1,0 +1,107 @@
+"""Autotuner controller: step response, decreases, cooldown, bounds, stability (pure logic)."""
+
+from __future__ import annotations
+
+from serve.admission.controller import Controller, ControllerConfig, Signals
+
+CFG = ControllerConfig(min_seqs=2, ceiling=64, ttft_target_s=1.0, itl_target_s=0.1,
+                       cooldown_s=6.0)
+
+
+def busy(t: float, limit: int, **kw) -> Signals:
+    """The limit binds, requests queue, latency well under target."""
+    base = dict(t=t, pending=10, in_flight=limit, engine_running=limit, ttft_p90_s=0.2,
+                itl_p90_s=0.02, kv_cache_usage=0.3)
+    base.update(kw)
+    return Signals(**base)
+
+
+def test_step_response_to_load_jump_reaches_ceiling():
+    c = Controller(CFG, limit=2)
+    idle = c.step(Signals(t=0))
+    assert idle.direction == "hold" and idle.reason == "idle"
+    limits = []
+    for i in range(1, 40):
+        c.step(busy(2.0 * i, c.limit))
+        limits.append(c.limit)
+    assert limits == sorted(limits)  # monotone up under demand with headroom
+    assert limits[-1] == 64
+    # Additive steps are bounded by max_step and the 25 % ratio.
+    steps = [b - a for a, b in zip([2] + limits, limits)]
+    assert max(steps) <= CFG.max_step
+    assert limits.index(64) < 20  # the ceiling is reached in well under 40 s
+
+
+def test_decrease_on_preemption_then_cooldown():
+    c = Controller(CFG, limit=40)
+    d = c.step(busy(0, 40, preemptions=3))
+    assert (d.direction, d.reason, d.new_limit) == ("down", "preemption", 30)
+    d = c.step(busy(2, 30))
+    assert (d.direction, d.reason) == ("hold", "cooldown")
+    d = c.step(busy(4, 30))
+    assert d.reason == "cooldown"
+    d = c.step(busy(6.5, 30))
+    assert d.direction == "up"
+
+
+def test_decrease_on_slo_breach_ttft_and_itl_and_kv():
+    c = Controller(CFG, limit=32)
+    assert c.step(busy(0, 32, ttft_p90_s=1.5)).reason == "slo_ttft"
+    assert c.limit == 24
+    assert c.step(busy(10, 24, itl_p90_s=0.2)).reason == "slo_itl"
+    assert c.limit == 18
+    assert c.step(busy(20, 18, kv_cache_usage=0.97)).reason == "kv_cache"
+    assert c.limit == 13
+
+
+def test_decrease_applies_during_cooldown():
+    c = Controller(CFG, limit=32)
+    c.step(busy(0, 32, preemptions=1))
+    d = c.step(busy(1, 24, ttft_p90_s=3.0))
+    assert d.direction == "down" and d.new_limit == 18
+
+
+def test_bounds_honoured():
+    c = Controller(CFG, limit=1000)
+    assert c.limit == 64
+    d = c.step(busy(0, 64))
+    assert d.new_limit == 64 and d.reason == "bound"
+    low = Controller(CFG, limit=2)
+    for i in range(10):
+        low.step(busy(i * 10, low.limit, preemptions=1))
+    assert low.limit == 2
+    assert low.decisions[-1].reason == "bound"
+
+
+def test_no_increase_without_queue_or_when_limit_not_binding():
+    c = Controller(CFG, limit=16)
+    assert c.step(busy(0, 16, pending=0)).reason == "steady"
+    assert c.step(busy(2, 8, in_flight=8)).reason == "steady"
+    assert c.limit == 16
+
+
+def test_hysteresis_band_holds():
+    c = Controller(CFG, limit=16)
+    # TTFT between headroom*target (0.7) and target (1.0): neither up nor down.
+    d = c.step(busy(0, 16, ttft_p90_s=0.85))
+    assert (d.direction, d.reason) == ("hold", "steady")
+
+
+def test_gpu_saturation_blocks_increase_but_unknown_does_not():
+    c = Controller(CFG, limit=16)
+    assert c.step(busy(0, 16, gpu_utilization=0.99)).direction == "hold"
+    assert c.step(busy(2, 16, gpu_utilization=None)).direction == "up"
+
+
+def test_no_oscillation_in_steady_load():
+    """A plant whose TTFT grows with the limit: the controller settles and stays."""
+    c = Controller(CFG, limit=2)
+
+    def ttft(limit: int) -> float:  # crosses the 1.0 s target at limit 40
+        return 0.025 * limit
+
+    for i in range(300):
+        c.step(busy(2.0 * i, c.limit, ttft_p90_s=ttft(c.limit)))
+    tail = [d.new_limit for d in list(c.decisions)[-30:]]
+    assert max(tail) - min(tail) == 0, tail
+    assert 0.7 <= ttft(tail[-1]) <= 1.0  # settled inside the hysteresis band

@@ -1,0 +1,195 @@
+"""Admission limiter: FIFO, bounds, release-exactly-once, no leaks (pure asyncio, no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from serve.admission.limiter import (QUEUE_FULL, QUEUE_TIMEOUT, SLO, AdmissionLimiter,
+                                     Rejected)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_fifo_order():
+    lim = AdmissionLimiter(limit=1, max_queue=10, max_queue_wait_s=5)
+    first = await lim.acquire()
+    order: list[int] = []
+
+    async def worker(i: int):
+        slot = await lim.acquire()
+        order.append(i)
+        await asyncio.sleep(0)
+        slot.release()
+
+    tasks = []
+    for i in range(5):
+        tasks.append(asyncio.create_task(worker(i)))
+        await asyncio.sleep(0)  # enqueue in a known order
+    assert lim.pending == 5
+    first.release()
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3, 4]
+    assert lim.in_flight == 0 and lim.pending == 0
+
+
+async def test_queue_full_is_rejected_with_retry_after():
+    lim = AdmissionLimiter(limit=1, max_queue=2, max_queue_wait_s=5)
+    held = await lim.acquire()
+    waiters = [asyncio.create_task(lim.acquire()) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(Rejected) as exc:
+        await lim.acquire()
+    assert exc.value.reason == QUEUE_FULL
+    assert exc.value.retry_after_s >= 1
+    held.release()
+    for w in waiters:
+        (await w).release()
+    assert lim.in_flight == 0
+
+
+async def test_queue_timeout():
+    lim = AdmissionLimiter(limit=1, max_queue=5, max_queue_wait_s=0.05)
+    held = await lim.acquire()
+    with pytest.raises(Rejected) as exc:
+        await lim.acquire()
+    assert exc.value.reason == QUEUE_TIMEOUT
+    assert exc.value.queue_wait_s >= 0.04
+    assert lim.pending == 0
+    held.release()
+    assert lim.in_flight == 0
+
+
+async def test_slo_shedding_uses_completion_rate():
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=1, max_queue=100, max_queue_wait_s=60, clock=clock)
+    # Establish a drain rate of 1 request/s.
+    for _ in range(4):
+        s = await lim.acquire()
+        clock.t += 1.0
+        s.release()
+    assert lim.completion_rate() == pytest.approx(4 / 3, rel=0.01)
+    held = await lim.acquire()
+    queued = [asyncio.create_task(lim.acquire()) for _ in range(3)]
+    await asyncio.sleep(0)
+    # 4th in line: expected wait (3+1)/1.33 = 3 s > 2 s target -> shed.
+    with pytest.raises(Rejected) as exc:
+        await lim.acquire(ttft_target_s=2.0)
+    assert exc.value.reason == SLO
+    assert exc.value.retry_after_s == 3
+    # A lenient target is queued instead.
+    lenient = asyncio.create_task(lim.acquire(ttft_target_s=100.0))
+    await asyncio.sleep(0)
+    assert lim.pending == 4
+    held.release()
+    for t in [*queued, lenient]:
+        (await t).release()
+    assert lim.in_flight == 0
+
+
+async def test_cancel_while_queued_frees_place():
+    lim = AdmissionLimiter(limit=1, max_queue=5, max_queue_wait_s=5)
+    held = await lim.acquire()
+    waiter = asyncio.create_task(lim.acquire())
+    await asyncio.sleep(0)
+    assert lim.pending == 1
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert lim.pending == 0
+    held.release()
+    assert lim.in_flight == 0
+    (await lim.acquire()).release()
+
+
+async def test_cancel_after_grant_returns_slot():
+    """A waiter granted a slot in the same tick it is cancelled must not leak it."""
+    lim = AdmissionLimiter(limit=1, max_queue=5, max_queue_wait_s=5)
+    held = await lim.acquire()
+    waiter = asyncio.create_task(lim.acquire())
+    await asyncio.sleep(0)
+    held.release()  # grants the waiter's future...
+    waiter.cancel()  # ...and the client leaves before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert lim.in_flight == 0
+
+
+async def test_release_exactly_once():
+    lim = AdmissionLimiter(limit=2, max_queue=5, max_queue_wait_s=5)
+    slot = await lim.acquire()
+    assert slot.release() is True
+    assert slot.release() is False
+    assert lim.in_flight == 0
+
+
+async def test_raise_limit_admits_at_once_and_lower_drains():
+    lim = AdmissionLimiter(limit=1, max_queue=10, max_queue_wait_s=5)
+    a = await lim.acquire()
+    waiters = [asyncio.create_task(lim.acquire()) for _ in range(3)]
+    await asyncio.sleep(0)
+    lim.set_limit(4)
+    await asyncio.sleep(0)
+    slots = [await w for w in waiters]
+    assert lim.in_flight == 4 and lim.pending == 0
+    lim.set_limit(2)  # lowering aborts nobody
+    assert lim.in_flight == 4
+    late = asyncio.create_task(lim.acquire())
+    await asyncio.sleep(0)
+    a.release(); slots[0].release()
+    await asyncio.sleep(0)
+    assert not late.done()  # still 2 in flight == limit
+    slots[1].release()
+    (await late).release()
+    slots[2].release()
+    assert lim.in_flight == 0
+
+
+async def test_no_slot_leak_after_200_mixed_requests():
+    rng = random.Random(7)
+    lim = AdmissionLimiter(limit=4, max_queue=20, max_queue_wait_s=0.05)
+    peak = 0
+    outcomes = {"ok": 0, "error": 0, "rejected": 0, "cancelled": 0}
+
+    async def request(i: int):
+        nonlocal peak
+        kind = rng.choice(["ok", "error", "cancel_running", "slow"])
+        try:
+            slot = await lim.acquire()
+        except Rejected:
+            outcomes["rejected"] += 1
+            return
+        peak = max(peak, lim.in_flight)
+        try:
+            await asyncio.sleep(rng.uniform(0, 0.01) + (0.08 if kind == "slow" else 0))
+            if kind == "error":
+                raise RuntimeError("engine error")
+            if kind == "cancel_running":
+                raise asyncio.CancelledError
+            outcomes["ok"] += 1
+        except RuntimeError:
+            outcomes["error"] += 1
+        except asyncio.CancelledError:
+            outcomes["cancelled"] += 1
+        finally:
+            slot.release(completed=kind == "ok")
+
+    tasks = []
+    for i in range(200):
+        tasks.append(asyncio.create_task(request(i)))
+        if i % 10 == 0:
+            await asyncio.sleep(0.005)
+        if i % 17 == 0:  # clients that leave while queued
+            tasks[-1].cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert lim.in_flight == 0 and lim.pending == 0
+    assert peak <= 4
+    assert outcomes["ok"] > 0 and outcomes["rejected"] > 0
