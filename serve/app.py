@@ -12,6 +12,7 @@ Routes owned here:
 - ``GET /ready``: readiness. 200 only when the engine can serve, else 503 with the phase.
 - ``GET /metrics``: Prometheus text format: vLLM's ``vllm:*`` series and ours, one registry.
 - ``GET /admin/autotuner``: read-only JSON: live limit, signals, last decisions.
+- ``GET /limits``: the request limits clients must respect (image bytes/pixels/count/formats).
 
 Generation routes pass through admission control (``serve.admission``) before vLLM.
 """
@@ -92,6 +93,7 @@ class Gateway:
                 Route("/ready", self.ready, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/admin/autotuner", self.autotuner_state, methods=["GET"]),
+                Route("/limits", self.limits, methods=["GET"]),
             ],
             lifespan=self._lifespan,
         )
@@ -140,6 +142,19 @@ class Gateway:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(_registry()), media_type=CONTENT_TYPE_LATEST)
+
+    async def limits(self, request: Request) -> Response:
+        """Client-facing request limits (one source of truth for UIs and clients)."""
+        s = self.settings.resolved()
+        return JSONResponse({
+            "model": s.model_name,
+            "max_images_per_request": s.max_images_per_prompt,
+            "max_image_bytes": s.max_image_bytes,
+            "max_image_pixels": s.max_image_pixels,
+            "image_formats": s.image_formats,
+            "max_model_len": s.max_model_len,
+            "num_crops": s.num_crops,
+        })
 
     async def autotuner_state(self, request: Request) -> Response:
         """Read-only autotuner state: limit, last signals, recent decisions."""

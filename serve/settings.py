@@ -122,6 +122,22 @@ class Settings(BaseSettings):
     max_images_per_prompt: int = Field(
         4, ge=0, description="vLLM limit_mm_per_prompt for images (per request)."
     )
+    max_image_bytes: int = Field(
+        20 * 2**20,
+        ge=1024,
+        description="Largest image accepted, bytes (decoded, per image). The UI reads it from "
+        "GET /limits.",
+    )
+    max_image_pixels: int = Field(
+        40_000_000,
+        ge=1,
+        description="Largest image accepted, pixels (width x height), checked from the header "
+        "before decoding (decompression bombs).",
+    )
+    image_formats: list[str] = Field(
+        ["PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF"],
+        description="Image formats accepted (Pillow format names).",
+    )
     num_crops: int | None = Field(
         None,
         ge=1,
