@@ -67,21 +67,29 @@ class Server:
     log_path: Path
     ready_statuses: list[int] = field(default_factory=list)
 
-    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """Sum of the samples of ``name`` on ``/metrics`` matching ``labels``."""
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """One scrape of ``/metrics``: ``{(sample name, sorted label items): value}``."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        total, found = 0.0, False
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(
-                        sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                    total += sample.value
-                    found = True
-        if not found:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def metric(self, name: str, labels: dict[str, str] | None = None,
+               scrape: dict | None = None) -> float:
+        """Sum of the samples of ``name`` matching ``labels`` (from ``scrape`` or a new one)."""
+        scrape = self.metrics() if scrape is None else scrape
+        matches = [v for (n, lbl), v in scrape.items() if n == name
+                   and all(dict(lbl).get(k) == want for k, want in (labels or {}).items())]
+        if not matches:
             raise KeyError(f"{name}{labels or ''} not on /metrics")
-        return total
+        return sum(matches)
+
+    async def ametric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """:meth:`metric` without blocking the event loop (runs in a thread)."""
+        import asyncio
+
+        return await asyncio.to_thread(self.metric, name, labels)
 
     def log_tail(self, n: int = 60) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()

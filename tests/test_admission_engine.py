@@ -1,0 +1,179 @@
+"""Admission control and the autotuner against the real tiny engine (CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import start_server, stop_server
+
+STATIC_LIMIT = 2
+CEILING = 6
+
+
+@pytest.fixture(scope="module")
+def static_server():
+    """A second server: static limit 2, tiny queue, lenient SLO (every completion is goodput)."""
+    srv = start_server([
+        "--autotune", "static", "--admission-limit", str(STATIC_LIMIT),
+        "--max-num-seqs", str(CEILING), "--max-queue", "2", "--max-queue-wait-s", "6",
+        "--slo-ttft-s", "100", "--slo-itl-s", "50", "--autotune-interval-s", "0.5",
+    ], name="static-server")
+    yield srv
+    stop_server(srv)
+
+
+def body(server, max_tokens: int, text: str = "Tell me a story.", stream: bool = True) -> dict:
+    return {"model": server.model, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": stream, "messages": [{"role": "user", "content": text}]}
+
+
+async def drain(client: httpx.AsyncClient, server, max_tokens: int) -> httpx.Response:
+    """A streamed request read to the end; returns the response (body consumed)."""
+    async with client.stream("POST", f"{server.base_url}/v1/chat/completions",
+                             json=body(server, max_tokens)) as r:
+        async for _ in r.aiter_bytes():
+            pass
+    return r
+
+
+async def test_running_never_exceeds_static_limit(static_server):
+    srv = static_server
+    samples: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+
+    async def sampler():
+        while not stop.is_set():
+            scrape = await asyncio.to_thread(srv.metrics)
+            samples.append((srv.metric("vllm:num_requests_running", scrape=scrape),
+                            srv.metric("phi3v_running_requests", scrape=scrape)))
+            await asyncio.sleep(0.02)
+
+    task = asyncio.create_task(sampler())
+    async with httpx.AsyncClient(timeout=120) as client:
+        # 4 at once: 2 run, 2 queue (max_queue=2), all complete.
+        results = await asyncio.gather(*[drain(client, srv, 48) for _ in range(4)])
+    stop.set()
+    await task
+    assert [r.status_code for r in results] == [200] * 4
+    assert max(engine for engine, _ in samples) == STATIC_LIMIT, samples
+    assert all(engine <= STATIC_LIMIT and ours <= STATIC_LIMIT for engine, ours in samples)
+
+
+async def wait_until(probe, timeout_s: float = 30.0, what: str = "condition") -> None:
+    """Await ``probe()`` until it is truthy; fail after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not await probe():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_exporter_series_after_known_sequence(static_server):
+    srv = static_server
+    m, am = srv.metric, srv.ametric
+    before = {
+        "finished": m("phi3v_finished_requests_total"),
+        "goodput": m("phi3v_goodput_requests_total"),
+        "full": m("phi3v_rejected_requests_total", {"reason": "queue_full"}),
+        "timeout": m("phi3v_rejected_requests_total", {"reason": "queue_timeout"}),
+        "waits": m("phi3v_queue_wait_seconds_count"),
+        "static": m("phi3v_autotuner_decisions_total", {"direction": "hold", "reason": "static"}),
+    }
+    assert m("phi3v_max_num_seqs") == STATIC_LIMIT
+    assert m("phi3v_max_num_seqs_ceiling") == CEILING
+    assert m("phi3v_slo_ttft_seconds") == 100 and m("phi3v_slo_itl_seconds") == 50
+    assert m("phi3v_autotuner_auto_mode") == 0
+    text = httpx.get(f"{srv.base_url}/metrics").text
+    assert "phi3v_gpu_utilization_ratio" not in text  # CPU: unavailable, not a fake 0
+
+    async def running_is(n):
+        return await am("phi3v_running_requests") == n
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        # 2 long holders fill the limit, 2 short requests queue, a 5th is refused (queue full);
+        # then the holders' clients leave (disconnect frees their slots) and the queued run.
+        holders = [asyncio.create_task(drain(client, srv, 1500)) for _ in range(2)]
+        await wait_until(lambda: running_is(2), what="2 running")
+        queued = [asyncio.create_task(drain(client, srv, 4)) for _ in range(2)]
+
+        async def two_pending():
+            return await am("phi3v_pending_requests") == 2
+        await wait_until(two_pending, what="2 pending")
+        refused = await client.post(f"{srv.base_url}/v1/chat/completions",
+                                    json=body(srv, 4, stream=False))
+        assert refused.status_code == 429
+        assert refused.headers["X-Phi3v-Reject-Reason"] == "queue_full"
+        assert int(refused.headers["Retry-After"]) >= 1
+        err = refused.json()["error"]
+        assert err["type"] == "rate_limit_exceeded" and "max_queue=2" in err["message"]
+        for h in holders:
+            h.cancel()
+        results = await asyncio.gather(*queued)
+        assert [r.status_code for r in results] == [200, 200]
+
+        # Queue timeout: hold both slots longer than max_queue_wait_s (6 s).
+        holders = [asyncio.create_task(drain(client, srv, 1500)) for _ in range(2)]
+        await wait_until(lambda: running_is(2), what="2 running")
+        t0 = time.monotonic()
+        late = await client.post(f"{srv.base_url}/v1/chat/completions",
+                                 json=body(srv, 4, stream=False))
+        waited = time.monotonic() - t0
+        assert late.status_code == 429
+        assert late.headers["X-Phi3v-Reject-Reason"] == "queue_timeout"
+        assert 5.9 <= waited < 12
+        for h in holders:
+            h.cancel()
+        await asyncio.gather(*holders, return_exceptions=True)
+
+    await wait_until(lambda: running_is(0), timeout_s=5, what="slots released")
+    assert m("phi3v_pending_requests") == 0
+    # Only the 2 queued requests completed (holders were abandoned by their clients).
+    assert m("phi3v_finished_requests_total") - before["finished"] == 2
+    assert m("phi3v_goodput_requests_total") - before["goodput"] == 2
+    assert m("phi3v_rejected_requests_total", {"reason": "queue_full"}) - before["full"] == 1
+    assert m("phi3v_rejected_requests_total", {"reason": "queue_timeout"}) - before["timeout"] == 1
+    # Every admitted or refused request observed one queue wait: 4 holders, 2 queued, 2 refused.
+    assert m("phi3v_queue_wait_seconds_count") - before["waits"] == 8
+    assert m("phi3v_autotuner_decisions_total",
+             {"direction": "hold", "reason": "static"}) > before["static"]
+    state = httpx.get(f"{srv.base_url}/admin/autotuner").json()
+    assert state["mode"] == "static" and state["limit"] == STATIC_LIMIT
+    assert state["decisions"] and state["decisions"][-1]["reason"] == "static"
+
+
+async def test_autotuner_raises_limit_and_admission_follows(server):
+    """Session server (mode auto, start limit 8): under queued demand with latency headroom
+    the limit goes up; the new limit shows on /metrics and in admission within one interval."""
+    m = server.ametric
+    state = httpx.get(f"{server.base_url}/admin/autotuner").json()
+    interval = state["interval_s"]
+    start_limit = int(await m("phi3v_max_num_seqs"))
+    total = start_limit + 8
+    async with httpx.AsyncClient(timeout=300) as client:
+        tasks = [asyncio.create_task(drain(client, server, 150)) for _ in range(total)]
+        deadline = time.monotonic() + 60
+        raised_at = None
+        while time.monotonic() < deadline:
+            limit = await m("phi3v_max_num_seqs")
+            if limit > start_limit:
+                raised_at = time.monotonic()
+                break
+            await asyncio.sleep(0.1)
+        assert raised_at is not None, "the autotuner never raised the limit under demand"
+        decisions = httpx.get(f"{server.base_url}/admin/autotuner").json()["decisions"]
+        ups = [d for d in decisions if d["direction"] == "up"]
+        assert ups and ups[-1]["reason"] == "demand" and ups[-1]["new_limit"] == limit
+        # Admission follows within one interval: more requests in flight than the old limit.
+        admitted = None
+        while time.monotonic() - raised_at < interval + 0.5:
+            if await m("phi3v_running_requests") > start_limit:
+                admitted = time.monotonic() - raised_at
+                break
+            await asyncio.sleep(0.05)
+        assert admitted is not None, "a raised limit did not admit queued requests"
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
