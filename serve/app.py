@@ -36,9 +36,14 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve import engine as engine_mod
+from serve import http_metrics
 from serve.admission import Admission
+from serve.asgi import BodyLimitMiddleware
+from serve.auth import ApiKeys, unauthorized
 from serve.errors import openai_error
+from serve.intake import Intake
 from serve.settings import Settings
+from serve.streamguard import StreamGuardMiddleware
 
 log = logging.getLogger("serve.app")
 
@@ -87,6 +92,10 @@ class Gateway:
         self._boot_task: asyncio.Task | None = None
         self._exit_stack = contextlib.AsyncExitStack()
         self.admission = Admission.from_settings(settings)
+        self.intake = Intake.from_settings(settings)
+        self.keys = ApiKeys.load(settings.api_keys, settings.api_key_file)
+        self._open_paths = {"/health", "/ready"} | (
+            set() if settings.metrics_require_auth else {"/metrics"})
         self.own = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -101,7 +110,15 @@ class Gateway:
 
     # --- ASGI -------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan" or scope.get("path") in self._own_paths:
+        if scope["type"] == "lifespan":
+            await self.own(scope, receive, send)
+            return
+        if scope["type"] == "http":
+            send = http_metrics.counting(scope, send)
+            if scope.get("path") not in self._open_paths and not self.keys.permits(scope):
+                await unauthorized()(scope, receive, send)
+                return
+        if scope.get("path") in self._own_paths:
             await self.own(scope, receive, send)
             return
         inner = self.state.openai_app
@@ -170,6 +187,7 @@ class Gateway:
             yield
         finally:
             self.state.phase = Phase.DRAINING
+            http_metrics.READY.set(0)
             if self._boot_task and not self._boot_task.done():
                 self._boot_task.cancel()
                 with contextlib.suppress(BaseException):
@@ -185,7 +203,12 @@ class Gateway:
             app = await engine_mod.build_openai_app(engine, self.settings)
             # Run vLLM's app lifespan (its periodic stats logging) as vLLM's server would.
             await self._exit_stack.enter_async_context(app.router.lifespan_context(app))
-            self.state.openai_app = self.admission.wrap(app)
+            await self.intake.load_budget(engine, self.settings)
+            # Request layers, outermost first: body limit -> intake (validation, images,
+            # prompt length) -> admission control -> stream guard -> vLLM's OpenAI app.
+            self.state.openai_app = BodyLimitMiddleware(
+                self.intake.wrap(self.admission.wrap(StreamGuardMiddleware(app))),
+                self.settings.max_request_bytes)
             self.admission.autotuner.start()
             self._exit_stack.push_async_callback(self.admission.autotuner.stop)
         except asyncio.CancelledError:
@@ -199,6 +222,7 @@ class Gateway:
             return
         self.state.ready_after_s = time.monotonic() - self.state.started_at
         self.state.phase = Phase.READY
+        http_metrics.READY.set(1)
         log.info("engine config: %s", json.dumps(engine_mod.engine_config_summary(engine)))
         log.info("ready in %.1f s: model %r at http://%s:%d/v1", self.state.ready_after_s,
                  self.settings.model_name, self.settings.host, self.settings.port)

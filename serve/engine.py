@@ -46,6 +46,9 @@ def vllm_frontend_args(settings: Settings) -> Namespace:
     for key, value in settings.engine_kwargs().items():
         setattr(args, key, value)
     args.host, args.port = settings.host, settings.port
+    # serve.intake validates per-request mm_processor_kwargs (num_crops only, bounded) and
+    # refuses media_io_kwargs before vLLM sees a request.
+    args.trust_request_mm_kwargs = True
     return args
 
 

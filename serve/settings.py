@@ -123,7 +123,7 @@ class Settings(BaseSettings):
         4, ge=0, description="vLLM limit_mm_per_prompt for images (per request)."
     )
     max_image_bytes: int = Field(
-        20 * 2**20,
+        10 * 2**20,
         ge=1024,
         description="Largest image accepted, bytes (decoded, per image). The UI reads it from "
         "GET /limits.",
@@ -158,6 +158,48 @@ class Settings(BaseSettings):
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallel degree.")
+
+    # --- Request intake (serve/intake) and auth -------------------------------------------
+    max_request_bytes: int = Field(
+        64 * 2**20, ge=1024, description="Largest request body, bytes; larger is 413."
+    )
+    max_n: int = Field(
+        1, ge=1, description="Most choices (n) per request; each is a full generation."
+    )
+    max_num_crops: int = Field(
+        16, ge=1, le=16,
+        description="Highest per-request mm_processor_kwargs.num_crops a client may ask for.",
+    )
+    image_urls: bool = Field(
+        False,
+        description="Fetch http(s) image URLs (off: only data: URLs). When on, only hosts on "
+        "--image-url-allowlist, public addresses, re-checked redirects.",
+    )
+    image_url_allowlist: list[str] = Field(
+        [], description="Hosts image URLs may name (an entry also allows its subdomains)."
+    )
+    image_url_allowed_networks: list[str] = Field(
+        [],
+        description="CIDR networks exempt from the public-address rule (e.g. an internal "
+        "object store).",
+    )
+    image_url_timeout_s: float = Field(
+        10.0, gt=0, description="Read timeout of an image URL fetch, seconds (connect: 3 s)."
+    )
+    image_url_max_redirects: int = Field(
+        3, ge=0, description="Redirect hops of an image URL, each re-checked."
+    )
+    api_keys: list[str] = Field(
+        [],
+        description="Accepted API keys (Authorization: Bearer). Empty with no --api-key-file: "
+        "no auth.",
+    )
+    api_key_file: Path | None = Field(
+        None, description="File with one API key per line (# comments), added to --api-keys."
+    )
+    metrics_require_auth: bool = Field(
+        False, description="Require an API key for /metrics too (/health, /ready stay open)."
+    )
 
     # --- Admission control and autotuner (serve/admission) --------------------------------
     autotune: Literal["auto", "static"] = Field(

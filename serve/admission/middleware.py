@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.admission import metrics
 from serve.admission.limiter import AdmissionLimiter, Rejected
+from serve.asgi import ClientGone, read_body, replay
 from serve.errors import openai_error
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -110,37 +111,6 @@ def count_images(body: bytes) -> int:
                    if isinstance(part, dict) and part.get("type") == "image_url")
     except (ValueError, AttributeError):
         return 0
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request was admitted."""
-
-
-async def read_body(receive: Receive) -> bytes:
-    """The whole request body. Raises :class:`ClientGone` on disconnect."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that yields the buffered body once, then the client's real messages
-    (so vLLM still sees ``http.disconnect`` and aborts the engine request)."""
-    sent = False
-
-    async def _receive() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return _receive
 
 
 class AdmissionMiddleware:

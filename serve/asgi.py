@@ -1,0 +1,87 @@
+"""Small ASGI helpers shared by the request layers: buffered bodies and their replay."""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.errors import openai_error
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was handled."""
+
+
+class BodyTooLarge(Exception):
+    """The request body exceeds the configured limit."""
+
+
+async def read_body(receive: Receive, limit: int | None = None) -> bytes:
+    """The whole request body.
+
+    Raises:
+        ClientGone: the client disconnected.
+        BodyTooLarge: more than ``limit`` bytes arrived.
+    """
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that yields the buffered body once, then the client's real messages
+    (so the app still sees ``http.disconnect`` and vLLM aborts the engine request)."""
+    sent = False
+
+    async def _receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return _receive
+
+
+def with_content_length(scope: Scope, length: int) -> Scope:
+    """``scope`` with its ``content-length`` header replaced (after a body rewrite)."""
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(length).encode()))
+    return {**scope, "headers": headers}
+
+
+class BodyLimitMiddleware:
+    """Buffers request bodies up to ``max_bytes``; a larger body is 413 (checked from
+    ``Content-Length`` first, then counted as it streams in)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        try:
+            if declared is not None and int(declared) > self.max_bytes:
+                raise BodyTooLarge
+            body = await read_body(receive, self.max_bytes)
+        except BodyTooLarge:
+            await openai_error(413, f"request body exceeds {self.max_bytes} bytes",
+                               param=None)(scope, receive, send)
+            return
+        except ClientGone:
+            return
+        except ValueError:
+            await openai_error(400, "invalid Content-Length header")(scope, receive, send)
+            return
+        await self.app(scope, replay(body, receive), send)

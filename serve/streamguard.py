@@ -1,0 +1,122 @@
+"""Stream guard: an SSE answer ends either normally or with exactly one error event.
+
+Once a streamed response has started (HTTP 200 sent), an error can no longer change the
+status. The rule then is: exactly one ``data: {"error": {...}}`` event, then the stream ends;
+never a truncated answer that looks like a normal stop. This ASGI piece enforces it around
+vLLM's app:
+
+- vLLM's own error event passes through; what follows it (vLLM's ``data: [DONE]``) is dropped.
+- A choice finishing with ``finish_reason`` ``"abort"`` or ``"error"`` (engine-side abort)
+  becomes one error event.
+- An exception raised by the app after the stream started becomes one error event.
+- A stream that ends without ``[DONE]`` and without an error gets one error event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.errors import error_body
+
+log = logging.getLogger("serve.streamguard")
+
+ABNORMAL_FINISH = ("abort", "error")
+
+
+def error_event(message: str, type_: str = "server_error", status: int = 500) -> bytes:
+    """One SSE event carrying an OpenAI-style error object."""
+    return b"data: " + json.dumps(error_body(status, message, type_)).encode() + b"\n\n"
+
+
+class _Stream:
+    """State of one SSE response passing through the guard."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.buffer = b""
+        self.closed = False  # an error event was sent, or [DONE]
+
+    async def emit(self, data: bytes, more: bool = True) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def fail(self, message: str) -> None:
+        if not self.closed:
+            self.closed = True
+            await self.emit(error_event(message))
+
+    async def feed(self, chunk: bytes) -> None:
+        """Forward complete events until the stream is closed."""
+        self.buffer += chunk
+        while b"\n\n" in self.buffer and not self.closed:
+            event, self.buffer = self.buffer.split(b"\n\n", 1)
+            await self._event(event + b"\n\n")
+
+    async def _event(self, event: bytes) -> None:
+        payload = event.strip()
+        if payload.startswith(b"data: "):
+            payload = payload[len(b"data: "):]
+        if payload == b"[DONE]":
+            self.closed = True
+            await self.emit(event)
+            return
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            await self.emit(event)
+            return
+        if isinstance(data, dict) and "error" in data:
+            self.closed = True
+            await self.emit(event)
+            return
+        reasons = [c.get("finish_reason") for c in data.get("choices") or []
+                   if isinstance(c, dict)] if isinstance(data, dict) else []
+        abnormal = [r for r in reasons if r in ABNORMAL_FINISH]
+        if abnormal:
+            await self.fail(f"generation ended abnormally (finish_reason={abnormal[0]!r})")
+            return
+        await self.emit(event)
+
+
+class StreamGuardMiddleware:
+    """Enforces the stream-error rule (module docstring) on ``text/event-stream`` responses."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        stream: _Stream | None = None
+        finished = False
+
+        async def guarded(message: Message) -> None:
+            nonlocal stream, finished
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers") or [])
+                if b"text/event-stream" in headers.get(b"content-type", b"") \
+                        and message.get("status") == 200:
+                    stream = _Stream(send)
+                await send(message)
+            elif message["type"] == "http.response.body" and stream is not None:
+                await stream.feed(message.get("body", b""))
+                if not message.get("more_body", False):
+                    await stream.fail("stream ended before completion")
+                    await stream.emit(b"", more=False)
+                    finished = True
+            else:
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    finished = True
+                await send(message)
+
+        try:
+            await self.app(scope, receive, guarded)
+        except Exception:  # noqa: BLE001 - after the stream started, report it in-band
+            if stream is None or finished:
+                raise
+            log.exception("streamed response failed after it started")
+            await stream.fail("internal error while streaming the answer")
+            await stream.emit(b"", more=False)
