@@ -14,7 +14,7 @@ WEIGHTS ?= weights/Phi-3-vision-128k-instruct
 VLLM_FLAVOUR := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(VLLM_FLAVOUR)
 
-.PHONY: install demo serve serve-full model test clean help
+.PHONY: install demo serve serve-full model test clean help monitoring-check prometheus
 
 help:
 	@echo "make demo   - install if needed, build the tiny model, serve it on http://$(HOST):$(PORT)"
@@ -54,6 +54,13 @@ serve-full: install
 
 test: install model
 	$(PY) -m pytest -q
+
+monitoring-check:
+	promtool check config monitoring/prometheus/prometheus.yml
+	promtool test rules monitoring/prometheus/tests/*.yml
+
+prometheus:  # local Prometheus scraping `make demo` (127.0.0.1:8000), UI on 127.0.0.1:9090
+	prometheus --config.file=monitoring/prometheus/prometheus.yml --storage.tsdb.path=/tmp/phi3v-prometheus --web.listen-address=127.0.0.1:9090
 
 clean:
 	rm -rf $(VENV) models .pytest_cache

@@ -43,6 +43,16 @@ TTFT = Histogram("phi3v_request_ttft_seconds",
                  buckets=LATENCY_BUCKETS_S)
 IMAGES = Histogram("phi3v_request_images",
                    "Images per chat request.", buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+REQUESTS = Counter("phi3v_requests",
+                   "Generation requests that reached admission control (arrivals).")
+MAX_QUEUE = Gauge("phi3v_max_queue", "Most requests the gateway queue holds (max_queue).")
+MIN_SEQS = Gauge("phi3v_autotuner_min_seqs", "Floor of the live limit (requests).")
+HEADROOM = Gauge("phi3v_autotuner_headroom_ratio",
+                 "The autotuner increases only while p90 latency < headroom x target.")
+KV_HIGH = Gauge("phi3v_autotuner_kv_high_ratio",
+                "KV-cache usage (0-1) the autotuner treats as full.")
+GPU_BUSY = Gauge("phi3v_autotuner_gpu_busy_ratio",
+                 "GPU utilization (0-1) above which the autotuner does not increase.")
 AUTOTUNER_AUTO = Gauge("phi3v_autotuner_auto_mode",
                        "1 when the autotuner moves the limit (mode auto), 0 when static.")
 

@@ -138,6 +138,7 @@ class AdmissionMiddleware:
         arrival = self.clock()
         try:
             body = await read_body(receive)
+            metrics.REQUESTS.inc()
             metrics.IMAGES.observe(count_images(body))
             slot = await self._acquire(receive)
         except ClientGone:

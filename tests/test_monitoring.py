@@ -1,0 +1,461 @@
+"""Monitoring (``monitoring/``): Prometheus config and rules, Grafana dashboards, proven live.
+
+- ``promtool check config`` / ``check rules`` / ``test rules`` (unit tests that fire AND clear
+  every alert). Debian's ``prometheus`` package provides ``promtool`` and ``prometheus``; these
+  tests fail, never skip, without them.
+- Dashboard JSON structure: unique panel ids, templated datasource everywhere, units, grid.
+- End to end: a real Prometheus (``/usr/bin/prometheus``) scrapes the session's API server
+  while streamed image chats flow; every dashboard panel query (template variables resolved as
+  Grafana would) and every recording rule must return data.
+
+GPU utilization on CPU: the stack exports ``phi3v_gpu_utilization_ratio`` only where NVML
+reports a GPU (a fake 0 would read as "idle GPU"). The dashboards query it as
+``avg(phi3v_gpu_utilization_ratio{...}) or on() vector(-1)`` with a value mapping
+-1 -> "unavailable (no GPU / NVML)": the panel shows a clear state instead of "No data", so it
+needs no exception here; the end-to-end test asserts that on CPU the raw series is absent and
+the panel's value is exactly that -1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import ARTIFACTS, ROOT, data_url, free_port
+
+MONITORING = ROOT / "monitoring"
+PROM_DIR = MONITORING / "prometheus"
+PROMETHEUS_YML = PROM_DIR / "prometheus.yml"
+RULE_FILES = sorted((PROM_DIR / "rules").glob("*.yml"))
+RULE_TESTS = sorted((PROM_DIR / "tests").glob("*.yml"))
+GRAFANA = MONITORING / "grafana"
+DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
+JOB = "phi3v"
+DS_REF = {"type": "prometheus", "uid": "${datasource}"}
+#: Metric names vLLM V1 removed; dashboards and rules must use the current ones.
+REMOVED_VLLM_METRICS = ("vllm:gpu_cache_usage_perc", "vllm:cpu_cache_usage_perc",
+                        "vllm:time_per_output_token_seconds", "vllm:num_requests_swapped",
+                        "vllm:gpu_prefix_cache_hit_rate")
+#: What the test substitutes for Grafana's built-in interval variables.
+GRAFANA_BUILTINS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK)
+                                  else None)
+    if path is None:
+        pytest.fail(f"`{name}` not found: install Debian's prometheus package "
+                    "(apt-get install -y --no-install-recommends prometheus)", pytrace=False)
+    return path
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def _alert_rules() -> list[dict]:
+    return [r for f in RULE_FILES for g in yaml.safe_load(f.read_text())["groups"]
+            for r in g["rules"] if "alert" in r]
+
+
+def _recording_rules() -> list[dict]:
+    return [r for f in RULE_FILES for g in yaml.safe_load(f.read_text())["groups"]
+            for r in g["rules"] if "record" in r]
+
+
+def _dashboard(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _panels(panels: list[dict]):
+    """Every panel, rows' nested (collapsed) panels included."""
+    for p in panels:
+        yield p
+        yield from _panels(p.get("panels") or [])
+
+
+def _queries(dashboard: dict):
+    """(panel title, refId, expr) of every panel target."""
+    for p in _panels(dashboard["panels"]):
+        for t in p.get("targets") or []:
+            yield p["title"], t.get("refId"), t["expr"]
+
+
+# --- promtool -----------------------------------------------------------------------------------
+def test_promtool_check_config():
+    res = _run(_binary("promtool"), "check", "config", str(PROMETHEUS_YML))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"{len(RULE_FILES)} rule files found" in res.stdout + res.stderr
+
+
+def test_promtool_check_rules():
+    assert RULE_FILES, "no rule files"
+    res = _run(_binary("promtool"), "check", "rules", *map(str, RULE_FILES))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_promtool_rule_unit_tests():
+    assert RULE_TESTS, "no promtool unit tests"
+    res = _run(_binary("promtool"), "test", "rules", *map(str, RULE_TESTS))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "FAILED" not in res.stdout + res.stderr
+
+
+def _duration_s(text: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", text))
+
+
+def test_every_alert_fires_and_clears_in_unit_tests():
+    """Each alert has a promtool case where it fires, then a later check where it is gone."""
+    covered: dict[str, set[str]] = {}
+    for path in RULE_TESTS:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            checks = case.get("alert_rule_test") or []
+            for fire in checks:
+                if not fire.get("exp_alerts"):
+                    continue
+                kinds = covered.setdefault(fire["alertname"], set())
+                kinds.add("fires")
+                if any(c["alertname"] == fire["alertname"] and not c.get("exp_alerts")
+                       and _duration_s(c["eval_time"]) > _duration_s(fire["eval_time"])
+                       for c in checks):
+                    kinds.add("clears")
+    for rule in _alert_rules():
+        assert covered.get(rule["alert"]) == {"fires", "clears"}, (
+            f"{rule['alert']}: no promtool case that fires and then clears it "
+            f"(found {sorted(covered.get(rule['alert'], ()))})")
+
+
+def test_alert_rules_carry_severity_and_runbook():
+    alerts = _alert_rules()
+    required = {"TargetDown", "EngineNotReady", "QueueGrowing", "TTFTP90OverTarget",
+                "KVCacheHigh", "Preemptions", "High5xxRatio", "HighRejectionRatio",
+                "AutotunerPinnedAtFloor", "AutotunerPinnedAtCeiling"}
+    assert required <= {a["alert"].removeprefix("Phi3v") for a in alerts}
+    for a in alerts:
+        assert a["labels"].get("severity") in {"critical", "warning"}, a["alert"]
+        for key in ("summary", "description", "runbook"):
+            assert len(a["annotations"].get(key, "")) > 20, f"{a['alert']}: {key} missing"
+
+
+def test_recording_rules_cover_latency_percentiles_rates_and_goodput():
+    records = {r["record"] for r in _recording_rules()}
+    for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                   "e2e_request_latency_seconds"):
+        for p in ("p50", "p90", "p99"):
+            assert f"instance:vllm_{metric}:{p}_rate5m" in records
+    assert {"instance:phi3v_requests:rate5m", "instance:vllm_prompt_tokens:rate5m",
+            "instance:vllm_generation_tokens:rate5m", "instance:phi3v_goodput:ratio_rate5m",
+            } <= records
+
+
+def test_no_removed_vllm_metric_names():
+    exprs = [r["expr"] for r in _alert_rules() + _recording_rules()]
+    exprs += [e for p in DASHBOARDS for _, _, e in _queries(_dashboard(p))]
+    for expr in exprs:
+        for name in REMOVED_VLLM_METRICS:
+            assert not re.search(re.escape(name) + r"(?![a-z_])", expr), (
+                f"removed vLLM metric {name} in {expr}")
+
+
+# --- Grafana ------------------------------------------------------------------------------------
+def test_grafana_provisioning():
+    ds = yaml.safe_load((GRAFANA / "provisioning/datasources/phi3v.yml").read_text())
+    assert ds["apiVersion"] == 1
+    [source] = ds["datasources"]
+    assert source["type"] == "prometheus" and source["url"].startswith("http")
+    job = next(j for j in yaml.safe_load(PROMETHEUS_YML.read_text())["scrape_configs"]
+               if j["job_name"] == JOB)
+    assert source["jsonData"]["timeInterval"] == job["scrape_interval"]
+    prov = yaml.safe_load((GRAFANA / "provisioning/dashboards/phi3v.yml").read_text())
+    assert prov["apiVersion"] == 1
+    [provider] = prov["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"]
+
+
+def test_dashboards_are_distinct():
+    assert {p.stem for p in DASHBOARDS} == {"phi3v-serving-overview", "phi3v-autotuner"}
+    uids = [_dashboard(p)["uid"] for p in DASHBOARDS]
+    assert len(set(uids)) == len(uids)
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return (a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"]
+            and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"])
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_dashboard_structure(path):
+    d = _dashboard(path)
+    assert d["title"] and d["uid"] and isinstance(d["schemaVersion"], int)
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for name in ("job", "instance"):
+        assert variables[name]["type"] == "query"
+        assert variables[name]["datasource"] == DS_REF
+        assert "label_values(" in variables[name]["definition"]
+
+    panels = list(_panels(d["panels"]))
+    ids = [p["id"] for p in panels]
+    assert all(isinstance(i, int) for i in ids) and len(set(ids)) == len(ids), ids
+    for p in panels:
+        g = p["gridPos"]
+        assert all(isinstance(g[k], int) for k in ("x", "y", "w", "h")), p["title"]
+        assert g["x"] >= 0 and g["y"] >= 0 and 1 <= g["w"] <= 24 and g["h"] >= 1, p["title"]
+        assert g["x"] + g["w"] <= 24, f"{p['title']}: wider than the 24-column grid"
+    for a, b in ((a, b) for i, a in enumerate(panels) for b in panels[i + 1:]):
+        assert not _overlap(a["gridPos"], b["gridPos"]), f"{a['title']} overlaps {b['title']}"
+
+    data_panels = [p for p in panels if p["type"] != "row"]
+    assert data_panels
+    for p in data_panels:
+        title = p["title"]
+        assert p["datasource"] == DS_REF, f"{title}: datasource is not ${{datasource}}"
+        assert p.get("description"), f"{title}: no description"
+        targets = p.get("targets") or []
+        assert targets, f"{title}: no query"
+        assert len({t["refId"] for t in targets}) == len(targets), f"{title}: duplicate refId"
+        for t in targets:
+            assert t.get("datasource") == DS_REF, f"{title}/{t['refId']}: datasource"
+            expr = t["expr"]
+            # Every selector filters on the job and instance variables.
+            for selector in re.findall(r"\{[^}]*\}", expr.replace("{{", "").replace("}}", "")):
+                assert 'job=~"$job"' in selector and 'instance=~"$instance"' in selector, (
+                    f"{title}/{t['refId']}: selector {selector} ignores $job/$instance")
+        if p["type"] in ("timeseries", "stat"):
+            unit = p["fieldConfig"]["defaults"].get("unit")
+            assert isinstance(unit, str) and unit, f"{title}: no unit"
+
+
+# --- end to end: a real Prometheus on the live stack --------------------------------------------
+class Prometheus:
+    """A ``prometheus`` server started for this module."""
+
+    def __init__(self, url: str, proc: subprocess.Popen, log_path: Path) -> None:
+        self.url = url
+        self.proc = proc
+        self.log_path = log_path
+
+    def get(self, path: str, **params) -> dict:
+        r = httpx.get(f"{self.url}{path}", params=params, timeout=30)
+        body = r.json()
+        assert body.get("status") == "success", f"{path} {params}: {body}"
+        return body["data"]
+
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        params = {"query": expr}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
+        return self.get("/api/v1/query", **params)["result"]
+
+    def value(self, expr: str) -> float | None:
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+
+def _test_config(target: str) -> dict:
+    """monitoring/prometheus/prometheus.yml, pointed at ``target``, scraping and evaluating
+    every second, with absolute rule paths and no Alertmanager."""
+    cfg = yaml.safe_load(PROMETHEUS_YML.read_text())
+    cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    cfg["rule_files"] = [str((PROM_DIR / f).resolve()) for f in cfg["rule_files"]]
+    cfg.pop("alerting", None)
+    [job] = [j for j in cfg["scrape_configs"] if j["job_name"] == JOB]
+    job.update(scrape_interval="1s", scrape_timeout="1s")
+    job["static_configs"] = [{"targets": [target]}]
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def prometheus(server, tmp_path_factory):
+    binary = _binary("prometheus")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    config = tmp / "prometheus.yml"
+    config.write_text(yaml.safe_dump(_test_config(urlparse(server.base_url).netloc)))
+    port = free_port()
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / "prometheus.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    prom = Prometheus(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"prometheus exited:\n{log_path.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{prom.url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "prometheus not ready in 30 s"
+            time.sleep(0.2)
+        yield prom
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.5,
+              fail: bool = True):
+    """Poll ``condition`` until true; on timeout fail the test (or return False)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            if fail:
+                pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            return False
+        time.sleep(interval_s)
+
+
+async def _stream_chat(client: httpx.AsyncClient, server, urls: list[str]) -> tuple[int, bool]:
+    """One streamed image chat; returns (HTTP status, saw [DONE])."""
+    content = [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
+               {"type": "text", "text": "Describe the image."}]
+    body = {"model": server.model, "max_tokens": 12, "stream": True,
+            "messages": [{"role": "user", "content": content}]}
+    async with client.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as r:
+        done = False
+        async for line in r.aiter_lines():
+            done = done or line.strip() == "data: [DONE]"
+        return r.status_code, done
+
+
+async def _traffic(server, images: Path) -> list[tuple[int, bool]]:
+    """Streamed chats with the real photos of ../shared/images: 1 and 2 images per request."""
+    manifest = json.loads((images / "MANIFEST.json").read_text())
+    photos = [data_url(images / m["file"]) for m in manifest
+              if m["kind"] == "real" and m["expect"] == "200" and m["file"].endswith(".png")]
+    assert len(photos) >= 2, "need real PNG photos in ../shared/images"
+    requests = [[u] for u in photos] + [photos[:2], photos[1:3] or photos[:2]]
+    async with httpx.AsyncClient(timeout=180) as client:
+        return await asyncio.gather(*(_stream_chat(client, server, urls) for urls in requests))
+
+
+def _resolve_variables(prom: Prometheus, dashboard: dict, target: str) -> dict[str, str]:
+    """Grafana's template variables, resolved with Prometheus' label API: job = the test's job,
+    instance = the test's target (one selected value, as a user would pick it)."""
+    values: dict[str, str] = {}
+    for var in dashboard["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        definition = var["definition"]
+        for name, value in values.items():
+            definition = definition.replace(f"${name}", value)
+        m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", definition)
+        assert m, f"variable {var['name']}: unsupported query {definition}"
+        options = prom.get(f"/api/v1/label/{m.group(2)}/values", **{"match[]": m.group(1)})
+        wanted = {"job": JOB, "instance": target}[var["name"]]
+        assert wanted in options, f"variable {var['name']}: {wanted} not in {options}"
+        values[var["name"]] = wanted
+    return values
+
+
+def _substitute(expr: str, variables: dict[str, str]) -> str:
+    for name, value in GRAFANA_BUILTINS.items():
+        expr = expr.replace(name, value)
+    for name, value in variables.items():
+        expr = expr.replace(f"${{{name}}}", value).replace(f"${name}", value)
+    assert "$" not in expr, f"unresolved variable in {expr}"
+    return expr
+
+
+def _finite(result: list[dict]) -> bool:
+    return any(math.isfinite(float(s["value"][1])) for s in result)
+
+
+def test_dashboards_and_recording_rules_have_data_on_live_stack(server, images, prometheus):
+    prom = prometheus
+    target = urlparse(server.base_url).netloc
+    # vLLM's instrumentator creates http_requests_total{status="2xx"} at the first answer, and
+    # rate() cannot count a series' first sample: one warm-up answer (as on any stack that has
+    # served before), then two scrapes, so every rate() window sees the counters move.
+    warm_up = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+        "model": server.model, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]})
+    assert warm_up.status_code == 200, warm_up.text
+    _wait_for(lambda: (prom.value(f'count_over_time(http_requests_total{{job="{JOB}"}}[1m])')
+                       or 0) >= 2 and prom.value(f'up{{job="{JOB}"}}') == 1,
+              30, "two scrapes of the API after the warm-up request")
+
+    results = asyncio.run(_traffic(server, images))
+    # A 429 (admission left busy by an earlier test of the session) only feeds the rejection
+    # series; most chats must stream to the end so that every latency histogram moves.
+    assert all(status in (200, 429) for status, _ in results), results
+    assert sum(status == 200 and done for status, done in results) >= len(results) // 2, results
+
+    # Prometheus has scraped the finished traffic and evaluated the rules on it.
+    finished = server.metric("phi3v_finished_requests_total")
+    _wait_for(lambda: (prom.value(f'phi3v_finished_requests_total{{job="{JOB}"}}') or 0)
+              >= finished, 20, "a scrape after the traffic")
+    # ...and evaluated the rules after it (the checks below report any rule still empty).
+    records = [r["record"] for r in _recording_rules()]
+    _wait_for(lambda: all(_finite(prom.query(r)) for r in records), 15,
+              "every recording rule to be evaluated", fail=False)
+    at = time.time()
+
+    failures = []
+    for r in _recording_rules():
+        for expr in (r["record"], r["expr"]):
+            result = prom.query(expr, at)
+            if not result:
+                failures.append(f"recording rule {r['record']}: no series for {expr}")
+            elif not _finite(result):
+                failures.append(f"recording rule {r['record']}: only NaN/Inf for {expr}")
+    for path in DASHBOARDS:
+        d = _dashboard(path)
+        variables = _resolve_variables(prom, d, target)
+        for title, ref, raw in _queries(d):
+            expr = _substitute(raw, variables)
+            result = prom.query(expr, at)
+            if not result:
+                failures.append(f"{d['title']} / {title} / {ref}: No data for {expr}")
+            elif not _finite(result):
+                failures.append(f"{d['title']} / {title} / {ref}: only NaN/Inf for {expr}")
+    assert not failures, "\n".join(failures)
+
+    # GPU utilization: absent on CPU, shown as the mapped "unavailable" value -1.
+    gpu_available = httpx.get(f"{server.base_url}/admin/autotuner",
+                              timeout=10).json()["gpu_utilization_available"]
+    raw = prom.query(f'phi3v_gpu_utilization_ratio{{job="{JOB}"}}', at)
+    panel = prom.query(f'avg(phi3v_gpu_utilization_ratio{{job="{JOB}"}}) or on() vector(-1)', at)
+    if gpu_available:
+        assert raw and 0 <= float(panel[0]["value"][1]) <= 1
+    else:
+        assert raw == [], "phi3v_gpu_utilization_ratio must be absent without a GPU"
+        assert float(panel[0]["value"][1]) == -1
+
+    # Every rule group loaded and evaluated without error; the availability alerts are quiet.
+    groups = prom.get("/api/v1/rules")["groups"]
+    loaded = {r.get("name") for g in groups for r in g["rules"]}
+    expected = {r.get("alert") or r.get("record") for r in _alert_rules() + _recording_rules()}
+    assert expected <= loaded, expected - loaded
+    errors = [(r["name"], r.get("lastError")) for g in groups for r in g["rules"]
+              if r.get("health") == "err" or r.get("lastError")]
+    assert not errors, errors
+    active = {a["labels"]["alertname"] for a in prom.get("/api/v1/alerts")["alerts"]}
+    assert not active & {"Phi3vTargetDown", "Phi3vTargetMissing", "Phi3vEngineNotReady"}, active
