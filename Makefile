@@ -14,7 +14,7 @@ WEIGHTS ?= weights/Phi-3-vision-128k-instruct
 VLLM_FLAVOUR := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(VLLM_FLAVOUR)
 
-.PHONY: install demo serve serve-full model test clean help monitoring-check prometheus
+.PHONY: install demo serve serve-full model test clean help monitoring-check prometheus bench-autotune
 
 help:
 	@echo "make demo   - install if needed, build the tiny model, serve it on http://$(HOST):$(PORT)"
@@ -54,6 +54,11 @@ serve-full: install
 
 test: install model
 	$(PY) -m pytest -q
+
+# Goodput of the max_num_seqs autotuner vs static limits on the engine simulator (~10 s).
+bench-autotune: install
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m bench.autotune --out bench/out $(BENCH_ARGS)
 
 monitoring-check:
 	promtool check config monitoring/prometheus/prometheus.yml

@@ -211,7 +211,7 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="Starting (auto) or fixed (static) admission limit, requests; default: "
-        "the max_num_seqs ceiling for static, min(8, ceiling) for auto.",
+        "the max_num_seqs ceiling for static, ceiling // 8 for auto.",
     )
     min_seqs: int = Field(1, ge=1, description="Floor of the live limit, requests.")
     max_queue: int = Field(
@@ -235,14 +235,19 @@ class Settings(BaseSettings):
         2.0, gt=0, description="Seconds between autotuner samples/decisions."
     )
     autotune_window_s: float = Field(
-        20.0, gt=0, description="Sliding window of the TTFT/ITL percentiles, seconds."
+        10.0, gt=0,
+        description="Sliding window of the TTFT/ITL percentiles, seconds (10: long enough for "
+        "a stable p90, short enough that an overload's slow samples leave the window within "
+        "~2 cooldowns; 20 made the simulator's controller over-cut, bench/autotune.py).",
     )
     autotune_headroom: float = Field(
         0.7, gt=0, le=1,
         description="Increase only while p90 latency < headroom x target (hysteresis band).",
     )
     autotune_decrease_factor: float = Field(
-        0.75, gt=0, lt=1, description="Multiplicative decrease on overload."
+        0.85, gt=0, lt=1,
+        description="Multiplicative decrease on overload (0.85 beat 0.75 on the simulator's "
+        "phase trace: batch latency grows sub-linearly with the limit).",
     )
     autotune_increase_ratio: float = Field(
         0.25, gt=0, description="Additive increase as a fraction of the limit."
@@ -274,7 +279,7 @@ class Settings(BaseSettings):
         resolved = self.model_copy(update=update)
         if resolved.admission_limit is None:
             ceiling = resolved.max_num_seqs
-            resolved.admission_limit = ceiling if self.autotune == "static" else min(8, ceiling)
+            resolved.admission_limit = ceiling if self.autotune == "static" else ceiling // 8
         resolved.admission_limit = max(resolved.min_seqs,
                                        min(resolved.admission_limit, resolved.max_num_seqs))
         return resolved

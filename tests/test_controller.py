@@ -5,7 +5,7 @@ from __future__ import annotations
 from serve.admission.controller import Controller, ControllerConfig, Signals
 
 CFG = ControllerConfig(min_seqs=2, ceiling=64, ttft_target_s=1.0, itl_target_s=0.1,
-                       cooldown_s=6.0)
+                       cooldown_s=6.0, decrease_factor=0.75)
 
 
 def busy(t: float, limit: int, **kw) -> Signals:

@@ -21,6 +21,17 @@ from serve.admission.signals import EngineStatsFeed, stat_logger_factory
 from serve.settings import Settings
 
 
+def controller_config(settings: Settings) -> ControllerConfig:
+    """The autotuner constants of ``settings`` (resolved for the hardware)."""
+    s = settings.resolved()
+    return ControllerConfig(
+        min_seqs=min(s.min_seqs, s.max_num_seqs), ceiling=s.max_num_seqs,
+        ttft_target_s=s.slo_ttft_s, itl_target_s=s.slo_itl_s,
+        headroom=s.autotune_headroom, decrease_factor=s.autotune_decrease_factor,
+        increase_ratio=s.autotune_increase_ratio, max_step=s.autotune_max_step,
+        cooldown_s=s.autotune_cooldown_s, kv_high_ratio=s.autotune_kv_high_ratio)
+
+
 @dataclass
 class Admission:
     """The admission pieces of one API process, built from :class:`Settings`."""
@@ -33,12 +44,7 @@ class Admission:
     @classmethod
     def from_settings(cls, settings: Settings) -> "Admission":
         s = settings.resolved()
-        config = ControllerConfig(
-            min_seqs=min(s.min_seqs, s.max_num_seqs), ceiling=s.max_num_seqs,
-            ttft_target_s=s.slo_ttft_s, itl_target_s=s.slo_itl_s,
-            headroom=s.autotune_headroom, decrease_factor=s.autotune_decrease_factor,
-            increase_ratio=s.autotune_increase_ratio, max_step=s.autotune_max_step,
-            cooldown_s=s.autotune_cooldown_s, kv_high_ratio=s.autotune_kv_high_ratio)
+        config = controller_config(s)
         limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s)
         feed = EngineStatsFeed(window_s=s.autotune_window_s)
         autotuner = Autotuner(Controller(config, s.admission_limit), limiter, feed,

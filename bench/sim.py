@@ -1,0 +1,552 @@
+"""A deterministic discrete-event model of vLLM's continuous-batching engine behind our gate.
+
+What is modelled, and from where:
+
+- **Engine step** (vLLM V1 ``Scheduler.schedule``): one step schedules the *running* requests
+  first, in order (a decode needs 1 token, a partly prefilled prompt its next chunk), then
+  *waiting* ones (FCFS) while the token budget ``max_num_batched_tokens`` (chunked prefill)
+  and ``max_num_seqs`` allow. A step takes ``a + b * batch + c * prefill_tokens + d *
+  encoded_image_tokens`` seconds (:class:`EngineConfig`); every request whose known tokens
+  are all computed at the end of the step samples one token.
+- **KV cache** (vLLM ``KVCacheManager``): ``num_gpu_blocks`` blocks of ``block_size`` (16)
+  tokens, allocated as tokens are computed. When a running request cannot get a block, the
+  newest running request is preempted (``running.pop()``): its blocks are freed, it goes back
+  to the *head* of the waiting queue and later re-prefills prompt + generated tokens
+  (preemption by recompute). New requests are not scheduled in a step that preempted.
+- **Images**: a Phi-3-vision image is ``313..2509`` tokens of the prompt; the vision encoder
+  runs once per (re)prefill, costs ``d`` per image token and shares the per-step encoder
+  budget (``max_num_batched_tokens``, as vLLM's ``compute_encoder_budget``).
+- **Gateway** (:class:`SimGate`): the real :class:`~serve.admission.limiter.AdmissionLimiter`
+  arithmetic (slots, completion rate, expected wait) with a synchronous FIFO queue: at most
+  ``L`` requests admitted, ``max_queue``, ``max_queue_wait_s`` timeouts and the middleware's
+  SLO shedding (expected wait > TTFT target -> rejected at once).
+- **Control**: each step emits ``SchedulerStats`` / ``IterationStats``-shaped records into a
+  real :class:`~serve.admission.signals.EngineStatsFeed` on the simulated clock, and the real
+  :class:`~serve.admission.autotuner.Autotuner` + :class:`~serve.admission.controller.
+  Controller` tick every ``interval_s`` of simulated time and move the gate's limit.
+
+Every request ends either finished or dropped (gateway refusal); goodput is DistServe's
+(client-side TTFT incl. queue wait <= target and mean ITL <= target), as
+:mod:`serve.admission.middleware` counts it.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from serve.admission import controller_config
+from serve.admission.autotuner import Autotuner
+from serve.admission.controller import Controller, ControllerConfig, Decision
+from serve.admission.limiter import (QUEUE_FULL, QUEUE_TIMEOUT, SLO as SLO_REJECT,
+                                     AdmissionLimiter, Slot)
+from serve.admission.middleware import SloTargets
+from serve.admission.signals import EngineStatsFeed
+from serve.settings import Settings
+
+from bench.trace import Trace, TraceRequest
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Constants of the engine model. Times in seconds, sizes in tokens/blocks/requests.
+
+    Attributes:
+        step_base_s: ``a``, fixed cost of one step (kernel launches, sampling, scheduling).
+        step_per_seq_s: ``b``, extra cost per scheduled sequence (decode attention, KV reads).
+        step_per_prefill_token_s: ``c``, cost per prompt token computed (a compute-bound GEMM).
+        step_per_image_token_s: ``d``, vision-encoder cost per image token encoded.
+        max_num_batched_tokens: token budget of one step (chunked prefill).
+        max_num_seqs: engine ceiling on running sequences (the limiter's ceiling).
+        block_size: tokens per KV block (vLLM's default 16).
+        num_gpu_blocks: KV-cache capacity in blocks.
+    """
+
+    step_base_s: float = 0.015
+    step_per_seq_s: float = 0.00025
+    step_per_prefill_token_s: float = 0.00006
+    step_per_image_token_s: float = 0.00002
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_gpu_blocks: int = 3000
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_size * self.num_gpu_blocks
+
+
+#: A GPU-like engine for Phi-3-vision (4.2 B parameters; 32 layers x K,V x 3072 x 2 bytes =
+#: 384 KiB of bf16 KV cache per token, no GQA): 15 ms per step + 0.25 ms per sequence +
+#: 0.06 ms per prefill token (~ an A100/L40S-class GPU: a full 8192-token prefill step ~0.5 s),
+#: the CLIP vision encoder at ~1/3 of the LM's per-token prefill cost (ViT-L/14-336, ~0.3 B
+#: parameters over 576 patches per 144-token crop), and 3000 KV blocks = 48k tokens (18 GiB of
+#: KV cache: a 40-48 GB card after the 8 GiB of weights and activations).
+GPU_LIKE = EngineConfig()
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything around the engine model that ``serve.settings`` fixes on a real server.
+
+    Attributes:
+        engine: engine constants (its ``max_num_seqs`` is the controller's ceiling).
+        slo: latency targets: controller targets, SLO shedding and goodput, seconds.
+        controller: the autotuner's constants (``ceiling`` = ``engine.max_num_seqs``).
+        start_limit: auto's starting limit, requests.
+        interval_s: seconds between autotuner ticks.
+        window_s: sliding window of the TTFT/ITL percentiles, seconds.
+        max_queue: most requests queued at the gateway; one more is rejected ``queue_full``.
+        max_queue_wait_s: seconds a request may wait for a slot before ``queue_timeout``.
+        slo_shedding: reject at once a request whose expected queue wait exceeds the TTFT
+            target (what :class:`~serve.admission.middleware.AdmissionMiddleware` does).
+    """
+
+    engine: EngineConfig = GPU_LIKE
+    slo: SloTargets = SloTargets(ttft_s=2.0, itl_s=0.1)
+    controller: ControllerConfig = ControllerConfig()
+    start_limit: int = 8
+    interval_s: float = 2.0
+    window_s: float = 20.0
+    max_queue: int = 256
+    max_queue_wait_s: float = 60.0
+    slo_shedding: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings, engine: EngineConfig = GPU_LIKE) -> "Setup":
+        """The setup a server with these settings runs (GPU defaults for ``device=cuda``).
+
+        The controller constants come from :func:`serve.admission.controller_config`, as in
+        the server; the engine takes the settings' ``max_num_seqs`` and
+        ``max_num_batched_tokens``. ``start_limit`` is what ``autotune=auto`` resolves to.
+        """
+        s = settings.model_copy(update={"autotune": "auto"}).resolved()
+        config = controller_config(s)
+        engine = replace(engine, max_num_seqs=s.max_num_seqs,
+                         max_num_batched_tokens=s.max_num_batched_tokens)
+        return cls(engine=engine, slo=SloTargets(s.slo_ttft_s, s.slo_itl_s), controller=config,
+                   start_limit=s.admission_limit, interval_s=s.autotune_interval_s,
+                   window_s=s.autotune_window_s, max_queue=s.max_queue,
+                   max_queue_wait_s=s.max_queue_wait_s)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The fields of vLLM's ``SchedulerStats`` that :class:`EngineStatsFeed` reads."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """The latency fields of vLLM's ``FinishedRequestStats`` (seconds, from engine arrival)."""
+
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+    mean_time_per_output_token: float
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """The fields of vLLM's ``IterationStats`` that a stat logger can read (seconds)."""
+
+    num_preempted_reqs: int
+    time_to_first_tokens_iter: list[float]
+    inter_token_latencies_iter: list[float]
+    finished_requests: list[FinishedRequestStats]
+
+
+@dataclass
+class RequestResult:
+    """What happened to one request. Times are seconds on the trace clock (None: never).
+
+    Attributes:
+        request: the trace request.
+        admitted_s: when the gateway let it into the engine.
+        first_token_s: when its first token was sampled (end of that step).
+        finish_s: when its last token was sampled.
+        tokens: output tokens generated.
+        preemptions: times the engine preempted it.
+        dropped: gateway rejection reason (``queue_full``, ``queue_timeout``, ``slo``) or None.
+        dropped_s: when it was rejected.
+    """
+
+    request: TraceRequest
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    tokens: int = 0
+    preemptions: int = 0
+    dropped: str | None = None
+    dropped_s: float | None = None
+
+    @property
+    def arrival_s(self) -> float:
+        return self.request.arrival_s
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Client-side time to first token, queue wait included, seconds."""
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        """Mean inter-token latency after the first token (TPOT), seconds; None for 1 token."""
+        if self.finish_s is None or self.tokens < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (self.tokens - 1)
+
+    def good(self, slo: SloTargets) -> bool:
+        """Finished within both targets (:meth:`ResponseTracker.meets` for a stream)."""
+        if not self.finished:
+            return False
+        itl = self.mean_itl_s
+        return self.ttft_s <= slo.ttft_s and (itl is None or itl <= slo.itl_s)
+
+
+@dataclass
+class RunResult:
+    """One simulation run.
+
+    Attributes:
+        label: ``auto`` or ``L=<n>``.
+        requests: per-request outcomes, in trace order.
+        limits: ``(t, limit)`` after every autotuner tick (seconds, requests).
+        decisions: every controller decision (auto) or ``static`` hold.
+        preemptions: engine preemptions in total.
+        steps: engine steps run.
+        end_s: simulated time when the last request ended.
+    """
+
+    label: str
+    requests: list[RequestResult]
+    limits: list[tuple[float, int]]
+    decisions: list[Decision]
+    preemptions: int
+    steps: int
+    end_s: float
+
+
+class _Seq:
+    """Engine-side state of one admitted request (hot loop: slots only)."""
+
+    __slots__ = ("result", "prompt", "image_tokens", "out", "computed", "generated",
+                 "blocks", "last_token_s", "slot")
+
+    def __init__(self, result: RequestResult, slot: Slot) -> None:
+        req = result.request
+        self.result = result
+        self.prompt = req.prompt_tokens
+        self.image_tokens = req.image_tokens
+        self.out = req.output_tokens
+        self.computed = 0      # tokens whose KV is in the cache
+        self.generated = 0     # output tokens sampled
+        self.blocks = 0        # KV blocks held
+        self.last_token_s = 0.0
+        self.slot = slot
+
+
+class SimGate(AdmissionLimiter):
+    """The admission limiter with a synchronous FIFO queue, for a simulated clock.
+
+    Slot counting, the completion-rate window and the expected-wait estimate are the real
+    :class:`AdmissionLimiter`'s; only the queue (futures there, a deque here) is replaced. The
+    autotuner sees the same interface: ``snapshot()``, ``limit``, ``set_limit()``,
+    ``in_flight``, ``pending``.
+
+    Args:
+        limit, max_queue, max_queue_wait_s, clock: as :class:`AdmissionLimiter`.
+        shed_ttft_s: TTFT target for SLO shedding, None to disable it.
+        on_admit: called with ``(result, slot)`` when a request enters the engine.
+        on_drop: called with ``(result, reason)`` when the gate rejects a request.
+    """
+
+    def __init__(self, limit: int, max_queue: int, max_queue_wait_s: float,
+                 clock: Callable[[], float], shed_ttft_s: float | None,
+                 on_admit: Callable[[RequestResult, Slot], None],
+                 on_drop: Callable[[RequestResult, str], None]) -> None:
+        super().__init__(limit, max_queue, max_queue_wait_s, clock=clock)
+        self.queue: collections.deque[RequestResult] = collections.deque()
+        self.shed_ttft_s = shed_ttft_s
+        self._on_admit_cb = on_admit
+        self._on_drop_cb = on_drop
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def offer(self, result: RequestResult) -> None:
+        """A request arrives now: admit, queue or reject it (the middleware's ``_acquire``)."""
+        if self._in_flight < self._limit and not self.queue:
+            self._on_admit_cb(result, self._admit(result.arrival_s))
+            return
+        if len(self.queue) >= self.max_queue:
+            self._on_drop_cb(result, QUEUE_FULL)
+            return
+        if self.shed_ttft_s is not None:
+            wait = self.expected_wait_s(len(self.queue))
+            if wait is not None and wait > self.shed_ttft_s:
+                self._on_drop_cb(result, SLO_REJECT)
+                return
+        self.queue.append(result)
+
+    def expire(self) -> None:
+        """Reject queued requests that have waited longer than ``max_queue_wait_s``."""
+        now = self._clock()
+        while self.queue and now - self.queue[0].arrival_s > self.max_queue_wait_s:
+            self._on_drop_cb(self.queue.popleft(), QUEUE_TIMEOUT)
+
+    def _wake(self) -> None:
+        self.expire()
+        while self.queue and self._in_flight < self._limit:
+            result = self.queue.popleft()
+            self._in_flight += 1
+            now = self._clock()
+            self._on_admit_cb(result, Slot(self, now, now - result.arrival_s))
+
+
+class _NoGpu:
+    """GPU utilization source of the simulator: unavailable (as on CPU)."""
+
+    available = False
+
+    def read(self) -> None:
+        return None
+
+
+class Simulation:
+    """One run of a trace through the gate and the engine model.
+
+    Args:
+        trace: the workload.
+        mode: ``auto`` (the controller moves the limit) or ``static`` (fixed ``limit``).
+        limit: the static limit; None: ``setup.start_limit`` (auto's start), requests.
+        setup: engine, SLO, controller and gateway constants.
+        on_step: called with the simulation after every engine step (tests: invariants).
+    """
+
+    def __init__(self, trace: Trace, mode: str = "auto", limit: int | None = None,
+                 setup: Setup = Setup(),
+                 on_step: Callable[["Simulation"], None] | None = None) -> None:
+        engine = setup.engine
+        longest = max((r.prompt_tokens + r.output_tokens for r in trace.requests), default=0)
+        if -(-longest // engine.block_size) > engine.num_gpu_blocks:
+            # vLLM refuses to start when max_model_len does not fit in the KV cache.
+            raise ValueError(f"a {longest}-token request does not fit in "
+                             f"{engine.kv_capacity_tokens} tokens of KV cache")
+        self.trace = trace
+        self.mode = mode
+        self.setup = setup
+        self.engine = engine
+        self.now = 0.0
+        self.on_step = on_step
+        self.results = [RequestResult(r) for r in trace.requests]
+        self.running: list[_Seq] = []
+        self.waiting: collections.deque[_Seq] = collections.deque()
+        self.free_blocks = engine.num_gpu_blocks
+        self.preemptions = 0
+        self.steps = 0
+        limit = setup.start_limit if limit is None else limit
+        self.gate = SimGate(limit, setup.max_queue, setup.max_queue_wait_s, self.clock,
+                            setup.slo.ttft_s if setup.slo_shedding else None,
+                            self._admit, self._drop)
+        self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock)
+        config = replace(setup.controller, ceiling=engine.max_num_seqs,
+                         min_seqs=min(setup.controller.min_seqs, engine.max_num_seqs))
+        self.autotuner = Autotuner(Controller(config, limit, history=1_000_000), self.gate,
+                                   self.feed, mode=mode, interval_s=setup.interval_s,
+                                   gpu=_NoGpu(), clock=self.clock)
+        self.limits: list[tuple[float, int]] = [(0.0, self.gate.limit)]
+
+    def clock(self) -> float:
+        """The simulated clock, seconds."""
+        return self.now
+
+    # --- gate callbacks -------------------------------------------------------------------
+    def _admit(self, result: RequestResult, slot: Slot) -> None:
+        result.admitted_s = self.now
+        self.waiting.append(_Seq(result, slot))
+
+    def _drop(self, result: RequestResult, reason: str) -> None:
+        result.dropped = reason
+        result.dropped_s = (result.arrival_s + self.gate.max_queue_wait_s
+                            if reason == QUEUE_TIMEOUT else self.now)
+
+    # --- engine ---------------------------------------------------------------------------
+    @property
+    def kv_used_blocks(self) -> int:
+        return self.engine.num_gpu_blocks - self.free_blocks
+
+    def _preempt_newest(self) -> _Seq:
+        seq = self.running.pop()
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+        seq.computed = 0
+        seq.result.preemptions += 1
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+        return seq
+
+    def _schedule(self) -> tuple[list[tuple[_Seq, int]], float, int]:
+        """One scheduler pass: ``(scheduled (seq, tokens), step seconds, preempted)``."""
+        eng = self.engine
+        bs = eng.block_size
+        budget = eng.max_num_batched_tokens
+        encoder_budget = eng.max_num_batched_tokens
+        scheduled: list[tuple[_Seq, int]] = []
+        prefill = encoded = preempted = 0
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            need = seq.prompt + seq.generated - seq.computed
+            n = need if need < budget else budget
+            extra = -(-(seq.computed + n) // bs) - seq.blocks
+            if extra > self.free_blocks:
+                victim = None
+                while extra > self.free_blocks and victim is not seq:
+                    victim = self._preempt_newest()
+                    preempted += 1
+                if victim is seq:
+                    break  # the request itself was the newest: it waits, the pass ends
+            self.free_blocks -= extra
+            seq.blocks += extra
+            scheduled.append((seq, n))
+            budget -= n
+            if need > 1:
+                prefill += n
+            i += 1
+        if not preempted:
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < eng.max_num_seqs:
+                seq = waiting[0]
+                if seq.image_tokens and seq.image_tokens > encoder_budget:
+                    break
+                need = seq.prompt + seq.generated
+                n = need if need < budget else budget
+                blocks = -(-n // bs)
+                if blocks > self.free_blocks:
+                    break
+                waiting.popleft()
+                running.append(seq)
+                self.free_blocks -= blocks
+                seq.blocks = blocks
+                scheduled.append((seq, n))
+                budget -= n
+                prefill += n
+                encoded += seq.image_tokens
+                encoder_budget -= seq.image_tokens
+        dt = (eng.step_base_s + eng.step_per_seq_s * len(scheduled)
+              + eng.step_per_prefill_token_s * prefill + eng.step_per_image_token_s * encoded)
+        return scheduled, dt, preempted
+
+    def _complete(self, scheduled: list[tuple[_Seq, int]], preempted: int) -> None:
+        """End of a step at ``self.now``: sample tokens, finish requests, report stats."""
+        now = self.now
+        ttfts: list[float] = []
+        itls: list[float] = []
+        finished = 0
+        for seq, n in scheduled:
+            seq.computed += n
+            if seq.computed < seq.prompt + seq.generated:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            seq.generated += 1
+            result = seq.result
+            if result.first_token_s is None:
+                result.first_token_s = now
+                ttfts.append(now - result.admitted_s)
+            else:
+                itls.append(now - seq.last_token_s)
+            seq.last_token_s = now
+            if seq.generated >= seq.out:
+                finished += 1
+        done: list[FinishedRequestStats] = []
+        if finished:
+            keep = []
+            for seq in self.running:
+                if seq.generated >= seq.out:
+                    self._finish(seq, done)
+                else:
+                    keep.append(seq)
+            self.running[:] = keep
+        eng = self.engine
+        self.feed.record(
+            SchedulerStats(len(self.running), len(self.waiting),
+                           self.kv_used_blocks / eng.num_gpu_blocks),
+            IterationStats(preempted, ttfts, itls, done))
+
+    def _finish(self, seq: _Seq, done: list[FinishedRequestStats]) -> None:
+        """Free a finished sequence's blocks and slot; report it like vLLM does."""
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+        result = seq.result
+        result.finish_s = self.now
+        result.tokens = seq.generated
+        seq.slot.release(completed=True)
+        done.append(FinishedRequestStats(
+            self.now - result.admitted_s, seq.prompt, seq.generated, result.preemptions,
+            (self.now - result.first_token_s) / max(1, seq.generated - 1)))
+
+    # --- event loop -----------------------------------------------------------------------
+    def _events_until(self, t: float) -> None:
+        """Process arrivals and autotuner ticks up to ``t``, in time order."""
+        results, i = self.results, self._next_arrival
+        while True:
+            arrival = results[i].arrival_s if i < len(results) else math.inf
+            nxt = min(arrival, self._next_tick)
+            if nxt > t:
+                break
+            self.now = nxt
+            if arrival <= self._next_tick:
+                self.gate.expire()
+                self.gate.offer(results[i])
+                i += 1
+            else:
+                self.gate.expire()
+                self.autotuner.tick()
+                self.limits.append((self.now, self.gate.limit))
+                self._next_tick += self.autotuner.interval_s
+        self._next_arrival = i
+
+    def run(self) -> RunResult:
+        """Simulate the whole trace; returns when every request has finished or been dropped."""
+        self._next_arrival = 0
+        self._next_tick = self.autotuner.interval_s
+        n = len(self.results)
+        while True:
+            if self.running or self.waiting:
+                scheduled, dt, preempted = self._schedule()
+                t_end = self.now + dt
+                self._events_until(t_end)
+                self.now = t_end
+                self._complete(scheduled, preempted)
+                self.steps += 1
+                if self.on_step is not None:
+                    self.on_step(self)
+            elif self._next_arrival < n or self.gate.queue:
+                self._events_until(min(self.results[self._next_arrival].arrival_s
+                                       if self._next_arrival < n else math.inf,
+                                       self._next_tick))
+            else:
+                break
+            self.gate.expire()
+        label = "auto" if self.mode == "auto" else f"L={self.gate.limit}"
+        return RunResult(label, self.results, self.limits,
+                         list(self.autotuner.controller.decisions), self.preemptions,
+                         self.steps, self.now)
+
+
+def simulate(trace: Trace, mode: str = "auto", limit: int | None = None,
+             setup: Setup = Setup()) -> RunResult:
+    """Run one :class:`Simulation` of ``trace``; see its arguments."""
+    return Simulation(trace, mode, limit, setup).run()
