@@ -160,6 +160,14 @@ class Gateway:
 
         return Response(generate_latest(_registry()), media_type=CONTENT_TYPE_LATEST)
 
+    def curl_example(self) -> str:
+        """A copy-pasteable text chat request for the ready line."""
+        auth = " -H 'Authorization: Bearer $PHI3V_API_KEY'" if self.keys.enabled else ""
+        body = json.dumps({"model": self.settings.model_name, "max_tokens": 32,
+                           "messages": [{"role": "user", "content": "Hello!"}]})
+        return (f"curl -s http://{self.settings.host}:{self.settings.port}/v1/chat/completions"
+                f" -H 'Content-Type: application/json'{auth} -d '{body}'")
+
     async def limits(self, request: Request) -> Response:
         """Client-facing request limits (one source of truth for UIs and clients)."""
         s = self.settings.resolved()
@@ -226,6 +234,7 @@ class Gateway:
         log.info("engine config: %s", json.dumps(engine_mod.engine_config_summary(engine)))
         log.info("ready in %.1f s: model %r at http://%s:%d/v1", self.state.ready_after_s,
                  self.settings.model_name, self.settings.host, self.settings.port)
+        log.info("try: %s   (an image chat example is in the README)", self.curl_example())
 
 
 def _log_failure(task: asyncio.Task) -> None:

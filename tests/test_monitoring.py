@@ -142,9 +142,9 @@ def test_every_alert_fires_and_clears_in_unit_tests():
 
 def test_alert_rules_carry_severity_and_runbook():
     alerts = _alert_rules()
-    required = {"TargetDown", "EngineNotReady", "QueueGrowing", "TTFTP90OverTarget",
-                "KVCacheHigh", "Preemptions", "High5xxRatio", "HighRejectionRatio",
-                "AutotunerPinnedAtFloor", "AutotunerPinnedAtCeiling"}
+    required = {"TargetDown", "EngineNotReady", "QueueGrowing", "QueueNearlyFull",
+                "TTFTP90OverTarget", "KVCacheHigh", "Preemptions", "High5xxRatio",
+                "HighRejectionRatio", "AutotunerPinnedAtFloor", "AutotunerPinnedAtCeiling"}
     assert required <= {a["alert"].removeprefix("Phi3v") for a in alerts}
     for a in alerts:
         assert a["labels"].get("severity") in {"critical", "warning"}, a["alert"]
@@ -160,7 +160,52 @@ def test_recording_rules_cover_latency_percentiles_rates_and_goodput():
             assert f"instance:vllm_{metric}:{p}_rate5m" in records
     assert {"instance:phi3v_requests:rate5m", "instance:vllm_prompt_tokens:rate5m",
             "instance:vllm_generation_tokens:rate5m", "instance:phi3v_goodput:ratio_rate5m",
-            } <= records
+            "instance:phi3v_rejected_requests:ratio_rate5m",
+            "instance:phi3v_http_responses_5xx:ratio_rate5m",
+            "instance_code:phi3v_http_responses:rate5m"} <= records
+
+
+def _metric_names(expr: str) -> set[str]:
+    """The phi3v_* and vllm:* series names an expression selects (recording-rule names such
+    as ``instance:phi3v_...`` excluded)."""
+    return set(re.findall(r"(?<![\w:])(?:phi3v_\w+|vllm:[\w:]+)", expr))
+
+
+def test_rules_and_dashboards_use_the_gateway_series():
+    """Arrivals, ratios, readiness and autotuner bounds come from the series the gateway
+    exports for them, not from stand-ins or hard-coded defaults."""
+    by_name = {r.get("alert") or r["record"]: r["expr"] for r in _alert_rules()
+               + _recording_rules()}
+    assert "phi3v_requests_total" in by_name["instance:phi3v_requests:rate5m"]
+    assert "phi3v_requests_total" in by_name["instance:phi3v_rejected_requests:ratio_rate5m"]
+    assert "phi3v_http_responses_total" in by_name["instance:phi3v_http_responses_5xx:ratio_rate5m"]
+    assert "phi3v_ready" in by_name["Phi3vEngineNotReady"]
+    assert "phi3v_autotuner_min_seqs" in by_name["Phi3vAutotunerPinnedAtFloor"]
+    assert {"phi3v_pending_requests", "phi3v_max_queue"} <= _metric_names(
+        by_name["Phi3vQueueNearlyFull"])
+    exprs = list(by_name.values()) + [e for p in DASHBOARDS for _, _, e in _queries(_dashboard(p))]
+    for expr in exprs:
+        # vLLM's instrumentator (http_requests_total) does not see the gateway's own answers;
+        # phi3v_request_images_count is an image histogram, not the arrival counter.
+        assert not re.search(r"(?<![\w:])http_requests_total", expr), expr
+        assert "phi3v_request_images_count" not in expr or "phi3v_request_images_sum" in expr, expr
+
+    autotuner = _dashboard(GRAFANA / "dashboards/phi3v-autotuner.json")
+    names = set().union(*(_metric_names(e) for _, _, e in _queries(autotuner)))
+    assert {"phi3v_autotuner_min_seqs", "phi3v_autotuner_headroom_ratio",
+            "phi3v_autotuner_kv_high_ratio", "phi3v_autotuner_gpu_busy_ratio"} <= names
+    for title, ref, expr in _queries(autotuner):
+        assert not re.search(r"(?<![\w.])0\.\d+\s*\*", expr), f"{title}/{ref}: fixed factor"
+    for p in _panels(autotuner["panels"]):
+        steps = (p.get("fieldConfig", {}).get("defaults", {}).get("thresholds") or {}).get(
+            "steps", [])
+        assert not {s["value"] for s in steps} & {0.7, 0.95, 0.98}, (
+            f"{p['title']}: hard-coded autotuner threshold {steps}")
+    gpu = next(p for p in _panels(autotuner["panels"]) if p["title"] == "GPU utilization")
+    [config] = [t for t in gpu.get("transformations", []) if t["id"] == "configFromData"]
+    busy = next(t for t in gpu["targets"] if "phi3v_autotuner_gpu_busy_ratio" in t["expr"])
+    assert config["options"]["configRefId"] == busy["refId"]
+    assert config["options"]["mappings"][0]["fieldName"] == busy["legendFormat"]
 
 
 def test_no_removed_vllm_metric_names():
@@ -392,15 +437,21 @@ def _finite(result: list[dict]) -> bool:
 def test_dashboards_and_recording_rules_have_data_on_live_stack(server, images, prometheus):
     prom = prometheus
     target = urlparse(server.base_url).netloc
-    # vLLM's instrumentator creates http_requests_total{status="2xx"} at the first answer, and
-    # rate() cannot count a series' first sample: one warm-up answer (as on any stack that has
-    # served before), then two scrapes, so every rate() window sees the counters move.
+    # rate() cannot count a series' first sample: series created at their first increment
+    # (vLLM's finished_reason counters, phi3v_http_responses_total codes other than the
+    # pre-created ones) need one warm-up answer (as on any stack that has served before), then
+    # two scrapes, so every rate() window sees the counters move.
     warm_up = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
         "model": server.model, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]})
     assert warm_up.status_code == 200, warm_up.text
-    _wait_for(lambda: (prom.value(f'count_over_time(http_requests_total{{job="{JOB}"}}[1m])')
-                       or 0) >= 2 and prom.value(f'up{{job="{JOB}"}}') == 1,
-              30, "two scrapes of the API after the warm-up request")
+    answered = server.metric("phi3v_http_responses_total",
+                             {"route": "/v1/chat/completions", "code": "200"})
+    assert answered >= 1
+    _wait_for(lambda: (prom.value(
+        f'phi3v_http_responses_total{{job="{JOB}", route="/v1/chat/completions", code="200"}}')
+        or 0) >= answered and prom.value(f'up{{job="{JOB}"}}') == 1,
+        30, "a scrape of the API after the warm-up request")
+    time.sleep(2.5)  # ...and two more scrapes (1 s interval)
 
     results = asyncio.run(_traffic(server, images))
     # A 429 (admission left busy by an earlier test of the session) only feeds the rejection
@@ -449,6 +500,15 @@ def test_dashboards_and_recording_rules_have_data_on_live_stack(server, images, 
         assert raw == [], "phi3v_gpu_utilization_ratio must be absent without a GPU"
         assert float(panel[0]["value"][1]) == -1
 
+    # Every series the alert rules select exists on the live stack (GPU utilization only
+    # where NVML reports a GPU), readiness included.
+    wanted = set().union(*(_metric_names(r["expr"]) for r in _alert_rules() + _recording_rules()))
+    wanted.discard("phi3v_gpu_utilization_ratio")
+    live = {s["metric"]["__name__"] for s in prom.query(
+        f'count by (__name__) ({{__name__=~"{"|".join(sorted(wanted))}", job="{JOB}"}})', at)}
+    assert wanted <= live, f"series the rules use but the stack does not export: {wanted - live}"
+    assert prom.value(f'phi3v_ready{{job="{JOB}"}}') == 1
+
     # Every rule group loaded and evaluated without error; the availability alerts are quiet.
     groups = prom.get("/api/v1/rules")["groups"]
     loaded = {r.get("name") for g in groups for r in g["rules"]}
@@ -458,4 +518,5 @@ def test_dashboards_and_recording_rules_have_data_on_live_stack(server, images, 
               if r.get("health") == "err" or r.get("lastError")]
     assert not errors, errors
     active = {a["labels"]["alertname"] for a in prom.get("/api/v1/alerts")["alerts"]}
-    assert not active & {"Phi3vTargetDown", "Phi3vTargetMissing", "Phi3vEngineNotReady"}, active
+    assert not active & {"Phi3vTargetDown", "Phi3vTargetMissing", "Phi3vEngineNotReady",
+                         "Phi3vQueueNearlyFull"}, active
