@@ -13,11 +13,16 @@ WEIGHTS ?= weights/Phi-3-vision-128k-instruct
 # vLLM build: `gpu` where an NVIDIA GPU answers, else `cpu` (same vLLM release either way).
 VLLM_FLAVOUR := $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(VLLM_FLAVOUR)
+UI_VENV := ui/.venv
+UI_PY := $(UI_VENV)/bin/python
+UI_STAMP := $(UI_VENV)/.installed
+UI_PORT ?= 8080
 
-.PHONY: install demo serve serve-full model test clean help monitoring-check prometheus bench-autotune
+.PHONY: install demo serve serve-full model test clean help ui-install ui monitoring-check prometheus bench-autotune
 
 help:
-	@echo "make demo   - install if needed, build the tiny model, serve it on http://$(HOST):$(PORT)"
+	@echo "make demo   - API + chat UI on the tiny model; prints both URLs when ready (login demo/demo)"
+	@echo "make ui     - the chat UI on http://$(HOST):$(UI_PORT) against a running API (own venv ui/.venv)"
 	@echo "make test   - run the test suite (real tiny engine on CPU)"
 	@echo "make serve  - serve the real $(notdir $(REAL_MODEL)) from WEIGHTS=$(WEIGHTS)"
 
@@ -38,8 +43,19 @@ model: $(TINY_MODEL)/config.json
 $(TINY_MODEL)/config.json: $(STAMP)
 	$(PY) -m serve.models.build --size tiny --out $(TINY_MODEL)
 
-demo: install model
-	$(PY) -m serve --model $(TINY_MODEL) --host $(HOST) --port $(PORT)
+# The chat UI has its own venv: Chainlit 2.12 pins mcp<2, vLLM needs mcp>=2.
+ui-install: $(UI_STAMP)
+
+$(UI_STAMP): ui/requirements.txt
+	test -x $(UI_PY) || $(PYTHON) -m venv $(UI_VENV)
+	$(UI_PY) -m pip install --quiet -r ui/requirements.txt
+	touch $@
+
+ui: ui-install
+	$(UI_PY) -m ui --host $(HOST) --port $(UI_PORT) --api-base-url http://$(HOST):$(PORT)
+
+demo: install model ui-install
+	PY=$(PY) UI_PY=$(UI_PY) MODEL=$(TINY_MODEL) HOST=$(HOST) PORT=$(PORT) UI_PORT=$(UI_PORT) bash ui/demo.sh
 
 serve: install
 	@$(PY) -m serve.models.build --real-from $(WEIGHTS) --out $(REAL_MODEL) || { \
@@ -52,7 +68,7 @@ serve-full: install
 	$(PY) -m serve.models.build --size full --out $(FULL_MODEL)
 	$(PY) -m serve --model $(FULL_MODEL) --load-format dummy --host $(HOST) --port $(PORT)
 
-test: install model
+test: install model ui-install
 	$(PY) -m pytest -q
 
 # Goodput of the max_num_seqs autotuner vs static limits on the engine simulator (~10 s).
@@ -68,4 +84,4 @@ prometheus:  # local Prometheus scraping `make demo` (127.0.0.1:8000), UI on 127
 	prometheus --config.file=monitoring/prometheus/prometheus.yml --storage.tsdb.path=/tmp/phi3v-prometheus --web.listen-address=127.0.0.1:9090
 
 clean:
-	rm -rf $(VENV) models .pytest_cache
+	rm -rf $(VENV) $(UI_VENV) models .pytest_cache

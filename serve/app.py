@@ -179,6 +179,7 @@ class Gateway:
             "image_formats": s.image_formats,
             "max_model_len": s.max_model_len,
             "num_crops": s.num_crops,
+            "max_num_crops": s.max_num_crops,
         })
 
     async def autotuner_state(self, request: Request) -> Response:

@@ -1,0 +1,514 @@
+"""The Chainlit UI (``ui/``): its helpers in-process, then the whole stack in a real browser.
+
+Part 1 (no browser): image intake against the server's limits, the upload gate, the
+old-image history policy, error messages, statistics. ``ui``'s helper modules import neither
+Chainlit nor vLLM, so they load in this environment.
+
+Part 2 (browser): headless Chromium (Debian's ``chromium``) driven by Playwright against the
+session's API server (tiny random-weight model: answers are gibberish, so the assertions are
+about streaming, limits, stopping and persistence, never content) and a UI started from
+``ui/.venv`` (created like ``make ui-install`` if missing). Leaves ``test-artifacts/ui-chat.png``
+(a finished image chat) and ``test-artifacts/ui.log``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import socket
+import time
+import tomllib
+import uuid
+
+import httpx
+import pytest
+from PIL import Image
+
+from serve.models.remote_code.processing_phi3_v import hd_transform_size, num_image_tokens
+from serve.settings import Settings
+from tests.conftest import ARTIFACTS, IMAGES, png_bytes
+from tests.ui_helpers import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    STATS_RE,
+    UI_DIR,
+    ChatPage,
+    local_only,
+    start_ui,
+    stop_ui,
+)
+from ui import errors, history, images
+from ui.api import ApiClient, ServerLimits, Token, Usage
+from ui.history import Conversation, HistoryImage, Turn
+from ui.settings import UISettings
+from ui.stats import AnswerStats
+
+MAX_SIDE = UISettings().max_image_side_px
+#: max_tokens of normal answers in the browser tests (~0.1 s per token on this CPU).
+ANSWER_TOKENS = 24
+RUNNING = "vllm:num_requests_running"
+
+
+def server_default_limits() -> ServerLimits:
+    """What ``GET /limits`` answers for the server's default settings."""
+    s = Settings().resolved()
+    return ServerLimits(model=s.model_name, max_images_per_request=s.max_images_per_prompt,
+                        max_image_bytes=s.max_image_bytes, max_image_pixels=s.max_image_pixels,
+                        image_formats=tuple(s.image_formats), max_model_len=s.max_model_len,
+                        num_crops=s.num_crops, max_num_crops=s.max_num_crops)
+
+
+LIMITS = server_default_limits()
+
+
+def prepare(name: str, raw: bytes | None = None, limits: ServerLimits = LIMITS):
+    raw = (IMAGES / name).read_bytes() if raw is None else raw
+    return images.prepare_image(name, raw, limits, MAX_SIDE)
+
+
+# === Part 1: helpers ==========================================================================
+# --- upload gate: one source of truth -----------------------------------------------------------
+def test_config_toml_upload_gate_matches_server_defaults():
+    """The fallback in .chainlit/config.toml (used until GET /limits answers) is what the
+    server's defaults produce, so the two cannot silently drift."""
+    config = tomllib.loads((UI_DIR / ".chainlit" / "config.toml").read_text())
+    gate = config["features"]["spontaneous_file_upload"]
+    spec = images.upload_spec(LIMITS)
+    assert gate["enabled"] is True
+    assert gate["accept"] == spec["accept"]
+    assert gate["max_files"] == spec["max_files"] == LIMITS.max_images_per_request
+    assert gate["max_size_mb"] == spec["max_size_mb"]
+
+
+def test_browser_gate_is_never_looser_than_the_server():
+    for max_bytes in (1024, 999_999, 1_000_000, 20 * 2**20, 10**9 + 1):
+        limits = dataclasses.replace(LIMITS, max_image_bytes=max_bytes)
+        mb = images.upload_spec(limits)["max_size_mb"]
+        assert mb >= 1
+        assert mb * 1_000_000 <= max(max_bytes, 1_000_000)  # Chainlit's browser MB is 10^6 B
+    assert images.accepted_mimes(LIMITS) == [
+        "image/png", "image/jpeg", "image/gif", "image/webp", "image/bmp", "image/tiff"]
+
+
+# --- image intake -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["chelsea.png", "astronaut.png", "coffee.png", "rocket.jpg",
+                                  "page.png", "coffee_cmyk.jpg", "coffee_rgba.png",
+                                  "coffee_palette_transparent.png", "gray_16bit.png",
+                                  "animated_30f.gif", "one_pixel.png", "strip_2000x8.png"])
+def test_accepted_images_are_reencoded_rgb(name):
+    out = prepare(name)
+    img = Image.open(io.BytesIO(out.data))
+    assert img.mode == "RGB"
+    assert max(img.size) <= MAX_SIDE and img.size == out.size
+    assert (img.format, out.mime) == (("JPEG", "image/jpeg") if name.endswith(".jpg")
+                                      else ("PNG", "image/png"))
+    assert out.data_url.startswith(f"data:{out.mime};base64,")
+
+
+def test_small_images_keep_their_size_large_ones_are_downscaled():
+    assert prepare("chelsea.png").size == (451, 300)
+    big = png_bytes(Image.new("RGB", (3000, 1500), (10, 200, 30)))
+    out = prepare("big.png", big)
+    assert out.size == (MAX_SIDE, MAX_SIDE // 2) and out.original_size == (3000, 1500)
+    assert prepare("strip_2000x8.png").size[0] == MAX_SIDE
+
+
+def test_exif_orientation_is_applied():
+    # stored sideways with EXIF orientation 8; displays as an upward arrow 200x400
+    assert prepare("arrow_exif_rotated.jpg").size == (200, 400)
+
+
+def test_gray_16bit_keeps_its_contrast():
+    img = Image.open(io.BytesIO(prepare("gray_16bit.png").data)).convert("L")
+    lo, hi = img.getextrema()
+    assert hi - lo > 100, "16-bit levels collapsed when scaled to 8 bits"
+
+
+def test_transparency_is_composited_on_white():
+    src = Image.open(IMAGES / "coffee_rgba.png")
+    alpha = src.getchannel("A")
+    clear = next((x, y) for y in range(0, src.height, 7) for x in range(0, src.width, 7)
+                 if alpha.getpixel((x, y)) == 0)
+    img = Image.open(io.BytesIO(prepare("coffee_rgba.png").data))
+    assert img.getpixel(clear) == (255, 255, 255)
+
+
+@pytest.mark.parametrize("name, limits, expected", [
+    ("empty.png", LIMITS, ["empty.png is empty"]),
+    ("random_bytes.png", LIMITS, ["random_bytes.png is not a readable image",
+                                  "accepted formats: PNG, JPEG, GIF, WEBP, BMP, TIFF"]),
+    ("truncated.jpg", LIMITS, ["truncated.jpg"]),
+    ("bomb_14000.png", LIMITS, ["bomb_14000.png", "at most 40 MP", "max_image_pixels"]),
+    ("chelsea.png", dataclasses.replace(LIMITS, max_image_pixels=100_000),
+     ["chelsea.png is 451×300 = 0.1 MP", "at most 0.1 MP", "max_image_pixels"]),
+    ("chelsea.png", dataclasses.replace(LIMITS, max_image_bytes=100 * 1024),
+     ["chelsea.png is 2", "up to 100 KiB", "max_image_bytes"]),
+    ("rocket.jpg", dataclasses.replace(LIMITS, image_formats=("PNG", "GIF")),
+     ["rocket.jpg is JPEG; accepted formats: PNG, GIF"]),
+])
+def test_refused_images_name_the_file_and_the_limit(name, limits, expected):
+    with pytest.raises(images.ImageRefused) as info:
+        prepare(name, limits=limits)
+    for part in expected:
+        assert part in info.value.message
+
+
+def test_too_many_images_per_message_is_refused():
+    images.check_count(LIMITS.max_images_per_request, LIMITS)
+    with pytest.raises(images.ImageRefused, match=r"at most 4 images per request"):
+        images.check_count(LIMITS.max_images_per_request + 1, LIMITS)
+
+
+# --- history and the old-image policy ----------------------------------------------------------
+def image_turn(text: str, *names: str) -> Turn:
+    return Turn("user", text, [HistoryImage(n, f"data:image/png;base64,{n}") for n in names])
+
+
+def test_history_sends_newest_images_and_notes_older_ones():
+    conv = Conversation()
+    conv.add(image_turn("first", "a.png", "b.png"))
+    conv.add(Turn("assistant", "answer 1"))
+    conv.add(image_turn("second", "c.png"))
+    messages = conv.messages(keep=2)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    first = messages[0]["content"]
+    assert first[0] == {"type": "text", "text": history.OMITTED_NOTE.format(name="a.png", keep=2)}
+    assert first[1] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,b.png"}}
+    assert first[2] == {"type": "text", "text": "first"}
+    assert messages[1] == {"role": "assistant", "content": "answer 1"}
+    assert messages[2]["content"][0]["image_url"]["url"].endswith("c.png")
+    conv.trim(keep=2)
+    assert [img.data_url is None for t in conv.turns for img in t.images] == [True, False, False]
+
+
+def test_window_counts_current_images_and_respects_the_server_cap():
+    assert history.window_size(2, 0, 4) == 2
+    assert history.window_size(2, 3, 4) == 3
+    assert history.window_size(8, 1, 4) == 4
+    assert history.window_size(0, 0, 4) == 0
+
+
+def test_failed_turn_leaves_no_trace():
+    conv = Conversation([Turn("user", "q"), Turn("assistant", "a")])
+    conv.add(Turn("user", "refused"))
+    conv.pop_unanswered()
+    assert [t.text for t in conv.turns] == ["q", "a"]
+
+
+async def test_conversation_from_persisted_thread():
+    """Rebuilt from the data layer's steps: only answered user turns (our answers carry
+    ANSWER_KEY metadata; SQLite returns it as text); images come back as storage keys."""
+    meta = '{"phi3v": {"answer": "A1", "stats": {}}}'
+    thread = {
+        "steps": [
+            {"id": "u1", "type": "user_message", "output": "Q1", "createdAt": "1"},
+            {"id": "a1", "type": "assistant_message", "output": "A1\n\n*TTFT*",
+             "metadata": meta, "createdAt": "2"},
+            {"id": "u2", "type": "user_message", "output": "refused", "createdAt": "3"},
+            {"id": "e2", "type": "assistant_message", "output": "Not sent.", "metadata": "{}",
+             "createdAt": "4"},
+            {"id": "u3", "type": "user_message", "output": "Q3", "createdAt": "5"},
+            {"id": "a3", "type": "assistant_message", "output": "A3 partial",
+             "metadata": {"phi3v": {"answer": "A3 partial"}}, "createdAt": "6"},
+            {"id": "s3", "type": "assistant_message", "output": "Task manually stopped.",
+             "metadata": {}, "createdAt": "7"},
+        ],
+        "elements": [
+            {"id": "x", "type": "image", "forId": "u1", "name": "cat.png", "objectKey": "k/cat"},
+            {"id": "y", "type": "image", "forId": "u2", "name": "bad.png", "objectKey": "k/bad"},
+        ],
+    }
+    conv = history.conversation_from_thread(thread)
+    assert [(t.role, t.text) for t in conv.turns] == [
+        ("user", "Q1"), ("assistant", "A1"), ("user", "Q3"), ("assistant", "A3 partial")]
+    assert [(i.name, i.object_key, i.data_url) for i in conv.turns[0].images] == [
+        ("cat.png", "k/cat", None)]
+
+    async def load(img):
+        return f"data:image/png;base64,{img.object_key}"
+
+    await conv.fill(keep=1, load=load)
+    assert conv.turns[0].images[0].data_url == "data:image/png;base64,k/cat"
+
+
+# --- errors: every failure becomes a readable sentence -----------------------------------------
+def openai_error(status: int, message: str) -> dict:
+    return {"error": {"message": message, "type": "BadRequestError", "param": None,
+                      "code": status}}
+
+
+@pytest.mark.parametrize("status, body, headers, expected", [
+    (400, openai_error(400, "max_tokens=99999 cannot be greater than max_model_len=8192."),
+     {}, ["refused the request (400)", "max_tokens=99999 cannot be greater"]),
+    (413, openai_error(413, "Image is 30 MiB; the limit is 20 MiB."), {},
+     ["too large for the server (413)", "the limit is 20 MiB"]),
+    (429, openai_error(429, "Queue full."), {"Retry-After": "7"},
+     ["busy (429)", "Queue full.", "Retry in 7 s."]),
+    (503, openai_error(503, "The server is starting; the model is not ready."),
+     {"Retry-After": "5"}, ["starting or draining", "not ready", "Retry in 5 s."]),
+    (401, openai_error(401, "Missing or invalid API key."), {},
+     ["refused the credentials (401)", "invalid API key", "PHI3V_UI_API_KEY"]),
+    (500, {"detail": "boom"}, {}, ["server failed (500): boom"]),
+])
+async def test_http_errors_become_readable_messages(status, body, headers, expected):
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, json=body,
+                                                                   headers=headers))
+    client = ApiClient(UISettings(api_base_url="http://api.test"), transport=transport)
+    with pytest.raises(errors.ApiError) as info:
+        async for _ in client.stream_chat({"model": "m", "messages": []}):
+            pass
+    for part in expected:
+        assert part in info.value.message
+    assert info.value.status == status
+    await client.aclose()
+
+
+async def test_api_down_says_so():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = ApiClient(UISettings(api_base_url=f"http://127.0.0.1:{port}"))
+    for call in (client.limits(), client.stream_chat({}).__anext__()):
+        with pytest.raises(errors.ApiError, match=r"is down \(connection refused\)"):
+            await call
+    await client.aclose()
+
+
+async def test_stream_parses_tokens_usage_and_error_events():
+    sse = ('data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+           'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\n'
+           'data: {"choices":[{"delta":{"content":"lo"},"finish_reason":"length"}]}\n\n'
+           'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2}}\n\n'
+           'data: [DONE]\n\n')
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["body"] = request.read()
+        seen["auth"] = request.headers.get("authorization")
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    client = ApiClient(UISettings(api_base_url="http://api.test", api_key="k"),
+                       transport=httpx.MockTransport(handler))
+    events = [e async for e in client.stream_chat({"model": "m", "messages": []})]
+    assert [e.text for e in events if isinstance(e, Token)] == ["Hel", "lo"]
+    assert [e.usage for e in events if isinstance(e, Usage)] == [
+        {"prompt_tokens": 9, "completion_tokens": 2}]
+    assert b'"stream":true' in seen["body"] and b'"include_usage":true' in seen["body"]
+    assert seen["auth"] == "Bearer k"  # PHI3V_UI_API_KEY
+
+    bad = httpx.MockTransport(lambda r: httpx.Response(
+        200, text='data: {"error": {"message": "engine died", "code": 500}}\n\n'))
+    client = ApiClient(UISettings(api_base_url="http://api.test"), transport=bad)
+    with pytest.raises(errors.ApiError, match="engine died"):
+        async for _ in client.stream_chat({}):
+            pass
+
+
+# --- statistics --------------------------------------------------------------------------------
+def test_answer_stats():
+    now = iter([10.0, 10.5, 10.7, 10.9, 11.5]).__next__
+    stats = AnswerStats(clock=now)  # request sent at 10.0
+    for _ in range(4):
+        stats.on_token()  # first at 10.5, last at 11.5
+    stats.on_usage({"completion_tokens": 4, "prompt_tokens": 330})
+    assert stats.ttft_s == pytest.approx(0.5)
+    assert stats.tokens_per_s == pytest.approx(3.0)  # 3 tokens after the first in 1.0 s
+    assert stats.footer() == "*TTFT 0.50 s · 3.0 tok/s · 4 tokens · prompt 330 tokens*"
+    assert STATS_RE.search(stats.footer().strip("*"))
+    stopped = AnswerStats(clock=iter([0.0, 1.0]).__next__)
+    stopped.on_token()
+    stopped.stopped = True
+    assert stopped.footer() == "*TTFT 1.00 s · – tok/s · 1 tokens · stopped*"
+
+
+# === Part 2: the real browser ==================================================================
+@pytest.fixture(scope="module")
+def ui(server, tmp_path_factory):
+    """The Chainlit UI (own venv) against the session's API, with its own empty store."""
+    proc = start_ui(server.base_url, tmp_path_factory.mktemp("ui-data"),
+                    env={"PHI3V_UI_DEFAULT_MAX_TOKENS": str(ANSWER_TOKENS)})
+    yield proc
+    stop_ui(proc)
+
+
+@pytest.fixture(scope="module")
+async def browser():
+    try:
+        from playwright.async_api import async_playwright
+    except ImportError:
+        pytest.fail("playwright is missing: pip install playwright==1.65.2 (test extra)")
+    assert CHROMIUM.is_file(), f"{CHROMIUM} missing: apt-get install -y chromium"
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                     args=CHROMIUM_ARGS)
+        yield b
+        await b.close()
+
+
+async def new_page(browser, ui) -> ChatPage:
+    context = await browser.new_context(viewport={"width": 1280, "height": 900})
+    await context.route("**/*", local_only)
+    return ChatPage(await context.new_page(), ui.url)
+
+
+@pytest.fixture(scope="module")
+async def chat(browser, ui) -> ChatPage:
+    """One logged-in browser page for the module."""
+    page = await new_page(browser, ui)
+    await page.login("demo", "demo")
+    yield page
+    await page.page.context.close()
+
+
+@pytest.fixture(scope="module")
+async def image_chat(chat, server):
+    """A finished image chat: chelsea.png + a question, the answer sampled while streaming."""
+    await chat.new_chat()
+    await chat.attach(IMAGES / "chelsea.png")
+    await chat.wait_attached(1)
+    question = f"What is in this image? ({uuid.uuid4().hex[:6]})"
+    await chat.send(question)
+    samples, final = await chat.sample_answer(after=0)
+    await chat.page.locator(ChatPage.USER).locator("img").first.wait_for()
+    ARTIFACTS.mkdir(exist_ok=True)
+    await chat.page.screenshot(path=str(ARTIFACTS / "ui-chat.png"))
+    return {"question": question, "samples": samples, "final": final}
+
+
+def chelsea_image_tokens(num_crops: int = LIMITS.num_crops) -> int:
+    return num_image_tokens(*hd_transform_size(451, 300, num_crops)[2:4])
+
+
+async def test_login_is_required_and_checks_the_password(browser, ui):
+    page = await new_page(browser, ui)
+    await page.page.goto(ui.url)
+    await page.page.wait_for_url("**/login", timeout=15_000)
+    await page.page.fill("#email", "demo")
+    await page.page.fill("#password", "wrong")
+    await page.page.click("button[type=submit]")
+    await page.page.wait_for_timeout(1000)
+    assert page.page.url.endswith("/login")
+    assert await page.page.locator("#chat-input").count() == 0
+    await page.page.context.close()
+
+
+async def test_image_answer_streams_in_and_shows_statistics(image_chat):
+    samples, final = image_chat["samples"], image_chat["final"]
+    assert len({s for s in samples}) >= 2, f"answer did not grow in steps: {samples!r}"
+    assert len(samples[0]) < len(samples[-1])
+    stats = STATS_RE.search(final)
+    assert stats, final
+    assert 1 <= int(stats["tokens"]) <= ANSWER_TOKENS
+    assert float(stats["ttft"]) > 0
+    # the image reached the model: its tokens are part of the prompt
+    assert int(stats["prompt"]) > chelsea_image_tokens()
+    assert (ARTIFACTS / "ui-chat.png").stat().st_size > 10_000
+
+
+async def test_unreadable_and_oversize_files_are_refused_with_the_limit(chat, server,
+                                                                        tmp_path):
+    limits = ServerLimits.from_json(httpx.get(f"{server.base_url}/limits").json())
+    await chat.new_chat()
+    # random bytes named .png pass the browser's type check; the handler refuses them
+    t0 = time.monotonic()
+    await chat.attach(IMAGES / "random_bytes.png")
+    await chat.wait_attached(1)
+    await chat.send("What is this?")
+    text = await chat.wait_assistant(0, "Not sent.", timeout_s=15)
+    assert "random_bytes.png is not a readable image" in text
+    assert "accepted formats: " + ", ".join(limits.image_formats) in text
+    # more pixels than the server takes (decompression bomb: 14000x14000)
+    await chat.attach(IMAGES / "bomb_14000.png")
+    await chat.wait_attached(1)
+    await chat.send("And this?")
+    text = await chat.wait_assistant(1, "Not sent.", timeout_s=15)
+    assert "bomb_14000.png" in text and "max_image_pixels" in text
+    assert f"{limits.max_image_pixels / 1e6:.0f} MP" in text
+    assert time.monotonic() - t0 < 20
+    assert not any(STATS_RE.search(t) for t in await chat.assistant_texts()), \
+        "a refused file reached the model"
+    # more bytes than the server takes: refused by the browser before any upload
+    max_mb = images.upload_spec(limits)["max_size_mb"]
+    huge = tmp_path / "huge.png"
+    with open(huge, "wb") as f:  # sparse: the browser checks the size before reading
+        f.truncate(max_mb * 1_000_000 + 1)
+    await chat.attach(huge)
+    assert await chat.toast() == f"File is larger than {max_mb} MB"
+    assert await chat.count("#attachments") == 0
+
+
+async def set_chat_settings(chat: ChatPage, max_tokens: int | None = None,
+                            num_crops_steps: int = 0) -> None:
+    """Change the chat settings panel like a person: type max tokens, arrow the num_crops
+    slider (the last slider) ``num_crops_steps`` to the right, confirm."""
+    await chat.page.click("#chat-settings-open-modal")
+    if max_tokens is not None:
+        await chat.page.fill("#max_tokens", str(max_tokens))
+    if num_crops_steps:
+        slider = chat.page.locator("[role=dialog] [role=slider]").last
+        await slider.focus()
+        for _ in range(num_crops_steps):
+            await slider.press("ArrowRight")
+    await chat.page.click("#confirm")
+
+
+async def test_num_crops_setting_reaches_the_server(chat):
+    """num_crops 4 (1 + 3 slider steps) is sent as mm_processor_kwargs: the image costs its
+    4-crop token count (757 tokens instead of 313 for chelsea.png)."""
+    await chat.new_chat()
+    await set_chat_settings(chat, num_crops_steps=3)
+    await chat.attach(IMAGES / "chelsea.png")
+    await chat.wait_attached(1)
+    await chat.send("Describe it.")
+    _, final = await chat.sample_answer(after=0)
+    four_crops = chelsea_image_tokens(num_crops=4)
+    assert four_crops > chelsea_image_tokens()
+    assert int(STATS_RE.search(final)["prompt"]) > four_crops
+
+
+async def test_server_refusal_is_shown(chat, server):
+    """A prompt longer than the model's context: the server's own 400 message, verbatim."""
+    limits = ServerLimits.from_json(httpx.get(f"{server.base_url}/limits").json())
+    await chat.new_chat()
+    await chat.send("hello " * (2 * limits.max_model_len))
+    text = await chat.wait_assistant(0, "(400)", timeout_s=30)
+    assert text.startswith("The server refused the request (400): ")
+    assert f"max_model_len) is {limits.max_model_len} tokens" in text
+
+
+async def test_stop_aborts_the_server_request(chat, server):
+    await chat.new_chat()
+    await set_chat_settings(chat, max_tokens=1500)
+    await chat.send("Tell me a very long story.")
+    await chat.page.wait_for_selector("#stop-button", timeout=10_000)
+    await chat.wait_assistant(0, "", timeout_s=30)  # tokens are arriving
+    deadline = time.monotonic() + 30
+    while await server.ametric(RUNNING) < 1 and time.monotonic() < deadline:
+        await chat.page.wait_for_timeout(100)
+    assert await server.ametric(RUNNING) >= 1
+    await chat.page.click("#stop-button")
+    stopped_at = time.monotonic()
+    while await server.ametric(RUNNING) > 0:
+        assert time.monotonic() - stopped_at < 10, "the server kept generating after Stop"
+        await chat.page.wait_for_timeout(100)
+    answer = await chat.wait_assistant(0, "stopped", timeout_s=10)
+    stats = STATS_RE.search(answer)
+    assert stats and int(stats["tokens"]) < 1500
+    await chat.page.wait_for_timeout(1000)
+    assert (await chat.assistant_texts())[0] == answer, "the answer kept growing after Stop"
+
+
+async def test_conversation_resumes_after_reload_with_its_image(chat, image_chat):
+    await chat.page.reload()
+    await chat.page.wait_for_selector("#thread-history", timeout=20_000)
+    await chat.page.locator("#thread-history a", has_text=image_chat["question"]).click()
+    await chat.page.wait_for_function(
+        "() => { const i = document.querySelector('[data-step-type=user_message] img');"
+        " return i && i.complete && i.naturalWidth > 0; }", timeout=20_000)
+    assert await chat.page.locator(ChatPage.USER, has_text=image_chat["question"]).count() == 1
+    answers = await chat.assistant_texts()
+    assert [" ".join(a.split()) for a in answers] == [" ".join(image_chat["final"].split())]
+    # the resumed chat continues, the stored image back in the model's history
+    await chat.send("And its colour?")
+    _, final = await chat.sample_answer(after=1)
+    assert int(STATS_RE.search(final)["prompt"]) > chelsea_image_tokens()

@@ -1,0 +1,203 @@
+"""Helpers of the UI tests: the Chainlit UI process (from ``ui/.venv``), headless Chromium
+(Debian's ``chromium``, driven by Playwright) and the page actions a person performs.
+
+The UI runs in its own virtual environment (Chainlit 2.12 pins ``mcp<2``, vLLM needs
+``mcp>=2``). :func:`ensure_ui_venv` creates it exactly as ``make ui-install`` does (same stamp
+file), so the tests run after ``make ui-install`` at no cost, or create it on first use
+(about 2 minutes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import ARTIFACTS, ROOT, free_port
+
+UI_DIR = ROOT / "ui"
+UI_VENV = UI_DIR / ".venv"
+UI_PY = UI_VENV / "bin" / "python"
+#: Written by `make ui-install` (and by :func:`ensure_ui_venv`) after a successful install.
+UI_STAMP = UI_VENV / ".installed"
+REQUIREMENTS = UI_DIR / "requirements.txt"
+#: Debian's Chromium (`apt-get install -y chromium`); Playwright's own browser download does
+#: not work without internet.
+CHROMIUM = Path(os.environ.get("PHI3V_TEST_CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+UI_READY_TIMEOUT_S = 90
+#: Answer footer written by ui/stats.py, e.g. "TTFT 0.42 s · 9.8 tok/s · 24 tokens · prompt
+#: 330 tokens".
+STATS_RE = re.compile(r"TTFT (?P<ttft>[\d.]+) s · (?P<tps>[\d.]+|–) tok/s · (?P<tokens>\d+) "
+                      r"tokens(?: · prompt (?P<prompt>\d+) tokens)?")
+
+
+def ensure_ui_venv() -> Path:
+    """``ui/.venv`` with ``ui/requirements.txt`` installed (what ``make ui-install`` does)."""
+    if UI_STAMP.is_file() and UI_STAMP.stat().st_mtime >= REQUIREMENTS.stat().st_mtime:
+        return UI_PY
+    if not UI_PY.is_file():
+        subprocess.run([sys.executable, "-m", "venv", str(UI_VENV)], check=True)
+    subprocess.run([str(UI_PY), "-m", "pip", "install", "--quiet", "-r", str(REQUIREMENTS)],
+                   check=True)
+    UI_STAMP.touch()
+    return UI_PY
+
+
+@dataclass
+class UIProcess:
+    """A running ``python -m ui``."""
+
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def start_ui(api_base_url: str, data_dir: Path, env: dict[str, str] | None = None) -> UIProcess:
+    """Start the UI on a free port against ``api_base_url``, its database, stored images and
+    auth secret under ``data_dir``; wait until it answers."""
+    python = ensure_ui_venv()
+    port = free_port()
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / "ui.log"
+    ui_env = {
+        **os.environ,
+        "PHI3V_UI_DATABASE_URL": f"sqlite+aiosqlite:///{data_dir / 'chat.db'}",
+        "PHI3V_UI_STORAGE_DIR": str(data_dir / "files"),
+        "PHI3V_UI_AUTH_SECRET_FILE": str(data_dir / "auth_secret"),
+        **(env or {}),
+    }
+    ui_env.pop("CHAINLIT_AUTH_SECRET", None)
+    proc = subprocess.Popen(
+        [str(python), "-m", "ui", "--port", str(port), "--api-base-url", api_base_url],
+        cwd=ROOT, env=ui_env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    ui = UIProcess(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + UI_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"UI exited with {proc.returncode}:\n{ui.log_tail()}")
+        try:
+            if httpx.get(f"{ui.url}/health", timeout=2).status_code == 200:
+                return ui
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    stop_ui(ui)
+    raise TimeoutError(f"UI not up in {UI_READY_TIMEOUT_S}s:\n{ui.log_tail()}")
+
+
+def stop_ui(ui: UIProcess) -> None:
+    """SIGINT, then SIGKILL the UI's process group if it does not stop within 15 s."""
+    if ui.proc.poll() is None:
+        os.killpg(ui.proc.pid, signal.SIGINT)
+        try:
+            ui.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(ui.proc.pid, signal.SIGKILL)
+            ui.proc.wait()
+
+
+async def local_only(route) -> None:
+    """Playwright route handler: the page may reach loopback only (Chainlit's page links web
+    fonts and a KaTeX stylesheet from CDNs; there is no internet here, and none is wanted)."""
+    url = route.request.url
+    if url.startswith(("http://127.0.0.1", "ws://127.0.0.1", "http://localhost", "data:",
+                       "blob:")):
+        await route.continue_()
+    else:
+        await route.abort()
+
+
+class ChatPage:
+    """What a person does in the Chainlit UI, as Playwright actions (async API)."""
+
+    ASSISTANT = "[data-step-type=assistant_message]"
+    USER = "[data-step-type=user_message]"
+
+    def __init__(self, page, base_url: str) -> None:
+        self.page = page
+        self.base_url = base_url
+
+    async def login(self, user: str, password: str) -> None:
+        await self.page.goto(f"{self.base_url}/login")
+        await self.page.fill("#email", user)
+        await self.page.fill("#password", password)
+        await self.page.click("button[type=submit]")
+        await self.wait_session()
+
+    async def wait_session(self) -> None:
+        """Until the chat session runs: the settings button appears once on_chat_start sent
+        the chat settings (uploading before that fails with 'Session not found')."""
+        await self.page.wait_for_selector("#chat-settings-open-modal", timeout=30_000)
+
+    async def new_chat(self) -> None:
+        await self.page.goto(self.base_url)
+        await self.wait_session()
+
+    async def attach(self, *files) -> None:
+        """Choose files with the upload button (paths, or Playwright file payload dicts)."""
+        await self.page.set_input_files("#upload-button-input", list(files))
+
+    async def wait_attached(self, n: int) -> None:
+        """Until ``n`` attachments sit in the composer, uploaded (no progress ring left)."""
+        await self.page.wait_for_function(
+            "n => { const a = document.querySelector('#attachments');"
+            " return a && a.children.length >= n && !a.querySelector('svg circle'); }",
+            arg=n, timeout=30_000)
+
+    async def send(self, text: str) -> None:
+        await self.page.fill("#chat-input", text)
+        await self.page.click("#chat-submit")
+
+    async def count(self, selector: str) -> int:
+        return await self.page.locator(selector).count()
+
+    async def assistant_texts(self) -> list[str]:
+        return await self.page.eval_on_selector_all(self.ASSISTANT,
+                                                    "els => els.map(e => e.innerText)")
+
+    async def wait_assistant(self, after: int, contains: str, timeout_s: float = 60) -> str:
+        """The text of the first assistant message past the first ``after`` that contains
+        ``contains``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for text in (await self.assistant_texts())[after:]:
+                if contains in text:
+                    return text
+            await self.page.wait_for_timeout(100)
+        raise AssertionError(f"no assistant message with {contains!r}; have "
+                             f"{(await self.assistant_texts())[after:]!r}")
+
+    async def sample_answer(self, after: int, timeout_s: float = 60) -> tuple[list[str], str]:
+        """Sample the new answer's text every 50 ms until its statistics appear.
+        Returns (distinct texts seen while streaming, final text)."""
+        samples: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            texts = (await self.assistant_texts())[after:]
+            if texts:
+                text = texts[0]
+                if STATS_RE.search(text):
+                    return samples, text
+                if text.strip() and (not samples or samples[-1] != text):
+                    samples.append(text)
+            await self.page.wait_for_timeout(50)
+        raise AssertionError(f"answer did not finish in {timeout_s}s; samples {samples!r}")
+
+    async def toast(self, timeout_ms: int = 10_000) -> str:
+        """Text of the newest toast notification (Chainlit shows upload refusals there)."""
+        loc = self.page.locator("[data-sonner-toast]").last
+        await loc.wait_for(timeout=timeout_ms)
+        return await loc.inner_text()

@@ -1,0 +1,142 @@
+"""The UI's only way to the model: the API's HTTP surface, as any client uses it.
+
+- ``GET /limits``: the server's image limits (:class:`ServerLimits`), cached for
+  ``limits_ttl_s``; the one source of the numbers the UI enforces.
+- ``POST /v1/chat/completions`` with ``stream: true``: :meth:`ApiClient.stream_chat` yields
+  content tokens and the final usage. Leaving the ``async for`` early (the user pressed Stop:
+  the Chainlit task is cancelled) exits the ``httpx`` stream context, which closes the
+  connection; the API then aborts the request in vLLM and frees its KV cache.
+
+Every failure raises :class:`ui.errors.ApiError` with a message ready for the chat.
+No Chainlit import: unit-tested in the main test environment.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from ui import errors
+from ui.errors import ApiError
+from ui.settings import UISettings
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The server's ``GET /limits`` answer."""
+
+    model: str
+    max_images_per_request: int
+    max_image_bytes: int
+    max_image_pixels: int
+    image_formats: tuple[str, ...]
+    max_model_len: int
+    num_crops: int
+    max_num_crops: int
+
+    @classmethod
+    def from_json(cls, data: dict) -> ServerLimits:
+        return cls(model=data["model"],
+                   max_images_per_request=int(data["max_images_per_request"]),
+                   max_image_bytes=int(data["max_image_bytes"]),
+                   max_image_pixels=int(data["max_image_pixels"]),
+                   image_formats=tuple(str(f).upper() for f in data["image_formats"]),
+                   max_model_len=int(data["max_model_len"]),
+                   num_crops=int(data["num_crops"]),
+                   max_num_crops=int(data["max_num_crops"]))
+
+
+@dataclass(frozen=True)
+class Token:
+    """A piece of answer text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    """The stream's final ``usage`` object."""
+
+    usage: dict
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A choice finished (``stop``, ``length``, ...)."""
+
+    reason: str
+
+
+class ApiClient:
+    """Async HTTP client of the API for one UI process (shared by all chats)."""
+
+    def __init__(self, settings: UISettings, transport: httpx.AsyncBaseTransport | None = None
+                 ) -> None:
+        self.settings = settings
+        self.base_url = settings.api_base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, transport=transport,
+            timeout=httpx.Timeout(connect=settings.connect_timeout_s,
+                                  read=settings.read_timeout_s, write=60.0, pool=10.0))
+        self._limits: ServerLimits | None = None
+        self._limits_at = 0.0
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def limits(self, refresh: bool = False) -> ServerLimits:
+        """The server's limits (cached ``limits_ttl_s``). Raises :class:`ApiError`."""
+        fresh = time.monotonic() - self._limits_at < self.settings.limits_ttl_s
+        if self._limits is not None and fresh and not refresh:
+            return self._limits
+        try:
+            r = await self._http.get("/limits", timeout=self.settings.connect_timeout_s)
+        except httpx.TransportError as exc:
+            raise errors.from_transport(exc, self.base_url, self.settings.read_timeout_s
+                                        ) from exc
+        if r.status_code != 200:
+            raise errors.from_response(r.status_code, r.content, r.headers)
+        try:
+            self._limits = ServerLimits.from_json(r.json())
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ApiError(f"The API at {self.base_url} answered GET /limits with something "
+                           f"unexpected ({exc!r}); is it this project's server?") from exc
+        self._limits_at = time.monotonic()
+        return self._limits
+
+    async def stream_chat(self, body: dict) -> AsyncIterator[Token | Usage | Finish]:
+        """Stream one chat completion (``body`` without ``stream``). Raises :class:`ApiError`.
+
+        Breaking out of the iteration, or cancelling the task consuming it, closes the HTTP
+        connection, which makes the server abort the generation.
+        """
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with self._http.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise errors.from_response(r.status_code, await r.aread(), r.headers)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[len("data:"):].strip()
+                    if payload == "[DONE]":  # last event; let the body end by itself
+                        continue
+                    event = json.loads(payload)
+                    if "error" in event:
+                        raise errors.from_stream_event(event)
+                    for choice in event.get("choices") or []:
+                        text = (choice.get("delta") or {}).get("content")
+                        if text:
+                            yield Token(text)
+                        if choice.get("finish_reason"):
+                            yield Finish(choice["finish_reason"])
+                    if event.get("usage"):
+                        yield Usage(event["usage"])
+        except httpx.TransportError as exc:
+            raise errors.from_transport(exc, self.base_url, self.settings.read_timeout_s
+                                        ) from exc

@@ -1,0 +1,251 @@
+"""Chainlit chat UI for the Phi-3-vision API: the decorated handlers, nothing else.
+
+Run with ``python -m ui`` (``make ui``). The UI talks to the API only over HTTP
+(:mod:`ui.api`): ``GET /limits`` for the image limits, ``POST /v1/chat/completions`` streamed.
+Helpers, one job each: image intake (:mod:`ui.images`), history and its old-image policy
+(:mod:`ui.history`), readable errors (:mod:`ui.errors`), per-answer statistics
+(:mod:`ui.stats`), persisted images (:mod:`ui.storage`), database schema (:mod:`ui.db`), login
+(:mod:`ui.auth`), settings (:mod:`ui.settings`). Design notes: ``ui/README.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+if str(Path(__file__).resolve().parent.parent) not in sys.path:  # `chainlit run ui/app.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import chainlit as cl  # noqa: E402
+from chainlit.config import SpontaneousFileUploadFeature  # noqa: E402
+from chainlit.config import config as chainlit_config  # noqa: E402
+from chainlit.data import get_data_layer  # noqa: E402
+from chainlit.data.sql_alchemy import SQLAlchemyDataLayer  # noqa: E402
+from chainlit.input_widget import NumberInput, Slider  # noqa: E402
+from chainlit.server import app as chainlit_app  # noqa: E402
+
+from ui import auth, db, history, images  # noqa: E402
+from ui.api import ApiClient, ServerLimits, Token, Usage  # noqa: E402
+from ui.errors import ApiError  # noqa: E402
+from ui.history import ANSWER_KEY, Conversation, HistoryImage, Turn  # noqa: E402
+from ui.settings import UISettings  # noqa: E402
+from ui.stats import AnswerStats  # noqa: E402
+from ui.storage import LocalStorageClient, add_file_route  # noqa: E402
+
+#: OpenAI's temperature range.
+TEMPERATURE_MIN, TEMPERATURE_MAX = 0.0, 2.0
+
+log = logging.getLogger("ui")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+settings = UISettings()
+api = ApiClient(settings)
+storage = LocalStorageClient(settings.storage_dir)
+auth.ensure_auth_secret(settings.auth_secret_file)
+add_file_route(chainlit_app, storage,
+               owner_of=lambda key: db.element_owner(get_data_layer(), key))
+
+
+# --- helpers used by the handlers -------------------------------------------------------------
+def apply_upload_limits(limits: ServerLimits) -> None:
+    """Make the browser's upload gate (Chainlit's spontaneous_file_upload) the server's."""
+    spec = images.upload_spec(limits)
+    if chainlit_config.features.spontaneous_file_upload is None:
+        chainlit_config.features.spontaneous_file_upload = SpontaneousFileUploadFeature(**spec)
+    else:
+        for key, value in spec.items():
+            setattr(chainlit_config.features.spontaneous_file_upload, key, value)
+
+
+async def server_limits() -> ServerLimits:
+    """``GET /limits`` (cached), keeping the browser's upload gate in step."""
+    limits = await api.limits()
+    apply_upload_limits(limits)
+    return limits
+
+
+def _clamped(value, default, lo, hi, kind):
+    try:
+        return max(lo, min(hi, kind(float(value))))
+    except (TypeError, ValueError):
+        return default
+
+
+def chat_values(limits: ServerLimits) -> dict:
+    """The chat's settings (Chainlit keeps them per session), validated."""
+    values = cl.user_session.get("chat_settings") or {}
+    return {
+        "temperature": _clamped(values.get("temperature"), settings.default_temperature,
+                                TEMPERATURE_MIN, TEMPERATURE_MAX, float),
+        "max_tokens": _clamped(values.get("max_tokens"), settings.default_max_tokens,
+                               1, settings.max_tokens_ceiling, int),
+        "num_crops": _clamped(values.get("num_crops"), limits.num_crops,
+                              1, limits.max_num_crops, int),
+    }
+
+
+async def send_chat_settings() -> None:
+    """The chat settings panel; initial values: this chat's (resume) or the defaults."""
+    current = cl.user_session.get("chat_settings") or {}
+    try:
+        limits = await server_limits()
+        default_crops, max_crops = limits.num_crops, limits.max_num_crops
+    except ApiError:
+        default_crops, max_crops = 1, 1
+    await cl.ChatSettings([
+        Slider(id="temperature", label="Temperature", min=TEMPERATURE_MIN,
+               max=TEMPERATURE_MAX, step=0.1,
+               initial=current.get("temperature", settings.default_temperature)),
+        NumberInput(id="max_tokens", label="Max tokens",
+                    initial=current.get("max_tokens", settings.default_max_tokens),
+                    description=f"Longest answer, 1 to {settings.max_tokens_ceiling} tokens."),
+        Slider(id="num_crops", label="num_crops", min=1, max=max_crops, step=1,
+               initial=current.get("num_crops", default_crops),
+               description=f"Phi-3-vision HD crops per image (server default {default_crops}); "
+                           "sent as mm_processor_kwargs when changed."),
+    ]).send()
+
+
+async def prepare_attachments(message: cl.Message, limits: ServerLimits
+                              ) -> list[images.PreparedImage]:
+    """Check and re-encode the message's files. Raises ImageRefused naming each bad file."""
+    files = [el for el in message.elements or [] if el.path or el.content]
+    images.check_count(len(files), limits)
+    prepared, refused = [], []
+    for el in files:
+        raw = await asyncio.to_thread(Path(el.path).read_bytes) if el.path else el.content
+        try:
+            prepared.append(await asyncio.to_thread(
+                images.prepare_image, el.name, raw, limits, settings.max_image_side_px,
+                settings.jpeg_quality))
+        except images.ImageRefused as exc:
+            refused.append(exc.message)
+    if refused:
+        raise images.ImageRefused("\n".join(refused))
+    return prepared
+
+
+async def load_persisted_image(img: HistoryImage, limits: ServerLimits) -> str | None:
+    """The data URL of a stored image of a resumed chat (None if gone or refused)."""
+    if not img.object_key:
+        return None
+    try:
+        raw = await storage.read_file(img.object_key)
+        prepared = await asyncio.to_thread(images.prepare_image, img.name, raw, limits,
+                                           settings.max_image_side_px, settings.jpeg_quality)
+    except (OSError, ValueError, images.ImageRefused) as exc:
+        log.warning("cannot reload %s: %s", img.object_key, exc)
+        return None
+    return prepared.data_url
+
+
+async def finish_answer(msg: cl.Message, stats: AnswerStats, in_history: bool) -> None:
+    """Put the statistics under the answer and persist it (ends the stream)."""
+    answer = msg.content
+    if in_history:  # what conversation_from_thread reads back on resume
+        msg.metadata = {ANSWER_KEY: {"answer": answer, "stats": stats.to_dict()}}
+    msg.content = f"{answer}\n\n{stats.footer()}" if answer else stats.footer()
+    await msg.send()
+
+
+async def stream_answer(body: dict, conversation: Conversation) -> None:
+    """Stream one answer into a new message and record it in ``conversation``: the answer
+    (also a stopped one) becomes the assistant turn; a failed request drops the user turn."""
+    msg = cl.Message(content="")
+    stats = AnswerStats()
+    try:
+        async for event in api.stream_chat(body):
+            if isinstance(event, Token):
+                stats.on_token()
+                await msg.stream_token(event.text)
+            elif isinstance(event, Usage):
+                stats.on_usage(event.usage)
+    except ApiError as exc:
+        conversation.pop_unanswered()
+        if stats.chunks:  # failed mid-answer: keep what the user saw, out of the history
+            await finish_answer(msg, stats, in_history=False)
+        await cl.ErrorMessage(content=exc.message).send()
+        return
+    except asyncio.CancelledError:  # Stop: leaving the stream closed the HTTP request
+        stats.stopped = True
+        conversation.add(Turn("assistant", msg.content))
+        await finish_answer(msg, stats, in_history=True)
+        raise
+    conversation.add(Turn("assistant", msg.content))
+    await finish_answer(msg, stats, in_history=True)
+
+
+# --- handlers ---------------------------------------------------------------------------------
+@cl.data_layer
+def data_layer() -> SQLAlchemyDataLayer:
+    return SQLAlchemyDataLayer(conninfo=settings.database_url, storage_provider=storage)
+
+
+@cl.on_app_startup
+async def on_startup() -> None:
+    await db.create_schema(settings.database_url)
+    try:
+        await server_limits()
+    except ApiError as exc:  # the API may start after the UI (make demo): retried per chat
+        log.warning("GET /limits failed at start (%s); upload limits from config.toml until "
+                    "the API answers", exc.message)
+
+
+@cl.on_app_shutdown
+async def on_shutdown() -> None:
+    await api.aclose()
+
+
+@cl.password_auth_callback
+def on_login(username: str, password: str) -> cl.User | None:
+    if auth.check_password(settings, username, password):
+        return cl.User(identifier=username, metadata={"provider": "password"})
+    return None
+
+
+@cl.on_chat_start
+async def on_chat_start() -> None:
+    cl.user_session.set("conversation", Conversation())
+    await send_chat_settings()
+
+
+@cl.on_chat_resume
+async def on_chat_resume(thread: cl.types.ThreadDict) -> None:
+    cl.user_session.set("conversation", history.conversation_from_thread(thread))
+    await send_chat_settings()
+
+
+@cl.on_stop
+async def on_stop() -> None:
+    # Chainlit has already cancelled the task running on_message: stream_answer leaves the
+    # httpx stream, the connection closes, and the API aborts the request in vLLM.
+    log.info("answer stopped by the user")
+
+
+@cl.on_message
+async def on_message(message: cl.Message) -> None:
+    conversation: Conversation = cl.user_session.get("conversation")
+    try:
+        limits = await server_limits()
+        prepared = await prepare_attachments(message, limits)
+    except ApiError as exc:
+        await cl.ErrorMessage(content=exc.message).send()
+        return
+    except images.ImageRefused as exc:
+        await cl.ErrorMessage(content=f"Not sent. {exc.message}").send()
+        return
+    keep = history.window_size(settings.history_max_images, len(prepared),
+                               limits.max_images_per_request)
+    conversation.add(Turn("user", message.content,
+                          [HistoryImage(p.name, p.data_url) for p in prepared]))
+    await conversation.fill(keep, lambda img: load_persisted_image(img, limits))
+    chat = chat_values(limits)
+    body = {"model": settings.model or limits.model, "messages": conversation.messages(keep),
+            "temperature": chat["temperature"], "max_tokens": chat["max_tokens"]}
+    if chat["num_crops"] != limits.num_crops:
+        body["mm_processor_kwargs"] = {"num_crops": chat["num_crops"]}
+    try:
+        await stream_answer(body, conversation)
+    finally:
+        conversation.trim(keep)

@@ -1,0 +1,116 @@
+"""The UI's one typed configuration: ``PHI3V_UI_*`` environment variables (or CLI flags of
+``python -m ui``), defaults below.
+
+Limits that belong to the server (image bytes, pixels, count, formats, ``num_crops``) are
+**not** here: the UI reads them from the API's ``GET /limits`` (:mod:`ui.api`), so the two can
+never drift. What is here is the UI's own policy: where the API is, how images are re-encoded,
+how much image history a conversation carries, where conversations are stored, who may log in.
+
+This module imports neither Chainlit nor the API, so it loads in any environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: The ``ui/`` directory (Chainlit's app root: ``.chainlit/config.toml``, ``chainlit.md``).
+UI_DIR = Path(__file__).resolve().parent
+#: Where the demo keeps its SQLite file, stored images and generated auth secret.
+DATA_DIR = UI_DIR / ".data"
+
+
+class UISettings(BaseSettings):
+    """Settings of the Chainlit UI process. Units are in the field names or descriptions."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="PHI3V_UI_",
+        cli_prog_name="python -m ui",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        cli_avoid_json=True,
+        extra="ignore",
+    )
+
+    # --- where the UI listens and the API it talks to ------------------------------------
+    host: str = Field("127.0.0.1", description="Address the UI binds to.")
+    port: int = Field(8080, ge=1, le=65535, description="TCP port of the UI.")
+    api_base_url: str = Field(
+        "http://127.0.0.1:8000",
+        description="Base URL of the API (python -m serve), without /v1.",
+    )
+    api_key: str | None = Field(
+        None, description="Bearer token sent to the API, if it requires one."
+    )
+    model: str | None = Field(
+        None, description="Model name sent in requests; default: the one GET /limits names."
+    )
+    connect_timeout_s: float = Field(
+        5.0, gt=0, description="Seconds to wait for a TCP connection to the API."
+    )
+    read_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds to wait between two stream events (first token included) "
+        "before giving up on an answer.",
+    )
+    limits_ttl_s: float = Field(
+        30.0, ge=0, description="Seconds GET /limits stays cached before it is asked again."
+    )
+
+    # --- image intake (the server's limits come from GET /limits) -------------------------
+    max_image_side_px: int = Field(
+        1344,
+        ge=64,
+        description="Images are downscaled so their longest side is at most this many pixels "
+        "before they are sent (Phi-3-vision's HD transform works on 336-px tiles; 1344 = 4 "
+        "tiles covers num_crops=16).",
+    )
+    jpeg_quality: int = Field(
+        90, ge=50, le=100, description="Quality of re-encoded JPEGs (photos stay JPEG)."
+    )
+    history_max_images: int = Field(
+        2,
+        ge=0,
+        description="Most images carried in the history sent to the model (the newest ones; "
+        "older image parts become a short text note). Capped by the server's "
+        "max_images_per_request.",
+    )
+
+    # --- chat settings defaults (the user can change them per chat) -----------------------
+    default_temperature: float = Field(0.7, ge=0, le=2, description="Initial temperature.")
+    default_max_tokens: int = Field(
+        512, ge=1, description="Initial max tokens of an answer."
+    )
+    max_tokens_ceiling: int = Field(
+        4096, ge=1, description="Largest max tokens a user may pick."
+    )
+
+    # --- persistence and login -------------------------------------------------------------
+    database_url: str = Field(
+        f"sqlite+aiosqlite:///{DATA_DIR / 'chat.db'}",
+        description="SQLAlchemy async URL of the conversation store: the embedded SQLite file "
+        "by default, postgresql+asyncpg://user:pass@host/db in production.",
+    )
+    storage_dir: Path = Field(
+        DATA_DIR / "files",
+        description="Directory of the local storage client (persisted images).",
+    )
+    auth_secret_file: Path = Field(
+        DATA_DIR / "auth_secret",
+        description="Where the generated CHAINLIT_AUTH_SECRET is kept when none is set in the "
+        "environment (demo only: set CHAINLIT_AUTH_SECRET in production).",
+    )
+    demo_user: str = Field("demo", description="Login name of the demo user.")
+    demo_password: str = Field("demo", description="Password of the demo user.")
+
+    def env(self) -> dict[str, str]:
+        """These settings as ``PHI3V_UI_*`` variables (hand CLI flags to the Chainlit app)."""
+        out = {}
+        for name, value in self.model_dump().items():
+            if value is not None:
+                out[f"PHI3V_UI_{name.upper()}"] = str(value)
+        return out
