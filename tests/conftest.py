@@ -112,31 +112,53 @@ def start_server(extra_args: list[str] | None = None, env: dict[str, str] | None
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", model.name, proc, log_path)
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    try:
+        wait_until_up(proc, f"{server.base_url}/ready", READY_TIMEOUT_S, server.log_tail,
+                      seen=server.ready_statuses)
+    except TimeoutError:
+        stop_server(server)
+        raise
+    return server
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, timeout_s: float, log_tail,
+                  seen: list[int] | None = None) -> None:
+    """Poll ``url`` until it answers 200, recording every status in ``seen``.
+
+    Raises:
+        RuntimeError: the process exited (with its log tail).
+        TimeoutError: no 200 within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_tail()}")
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log_tail()}")
         try:
-            status = httpx.get(f"{server.base_url}/ready", timeout=2).status_code
-            server.ready_statuses.append(status)
+            status = httpx.get(url, timeout=2).status_code
+            if seen is not None:
+                seen.append(status)
             if status == 200:
-                return server
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.25)
-    stop_server(server)
-    raise TimeoutError(f"server not ready in {READY_TIMEOUT_S}s:\n{server.log_tail()}")
+    raise TimeoutError(f"{url} not up in {timeout_s}s:\n{log_tail()}")
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGINT the process group, then SIGKILL it if it does not stop within ``grace_s``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def stop_server(server: Server) -> None:
-    """SIGINT, then SIGKILL the process group if it does not stop within 30 s."""
-    if server.proc.poll() is None:
-        os.killpg(server.proc.pid, signal.SIGINT)
-        try:
-            server.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.proc.pid, signal.SIGKILL)
-            server.proc.wait()
+    """Stop a server started by :func:`start_server` (30 s grace)."""
+    stop_group(server.proc, 30)
 
 
 @pytest.fixture(scope="session")

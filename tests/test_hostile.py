@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import http.server
-import io
 import json
 import socket
 import threading
@@ -209,7 +208,7 @@ def test_image_urls_ssrf(hostile_server, canary, allowed_host):
                f"http://127.1:{p}/x.png", f"http://0x7f000001:{p}/x.png",
                f"http://[::1]:{p}/x.png", f"{allowed_host}/to-canary",
                f"{allowed_host}/to-localhost", "file:///etc/passwd",
-               f"http://user@127.0.0.2:{p}/x.png", f"http://169.254.169.254/latest/meta-data/"]
+               f"http://user@127.0.0.2:{p}/x.png", "http://169.254.169.254/latest/meta-data/"]
     for url in hostile:
         r = post(srv, chat_body(srv, image_content(url)))
         assert r.status_code == 400, (url, r.text)

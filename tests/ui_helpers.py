@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 
-from tests.conftest import ARTIFACTS, ROOT, free_port
+from tests.conftest import ARTIFACTS, ROOT, free_port, stop_group, wait_until_up
 
 UI_DIR = ROOT / "ui"
 UI_VENV = UI_DIR / ".venv"
@@ -84,29 +82,17 @@ def start_ui(api_base_url: str, data_dir: Path, env: dict[str, str] | None = Non
         cwd=ROOT, env=ui_env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
         start_new_session=True)
     ui = UIProcess(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + UI_READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"UI exited with {proc.returncode}:\n{ui.log_tail()}")
-        try:
-            if httpx.get(f"{ui.url}/health", timeout=2).status_code == 200:
-                return ui
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    stop_ui(ui)
-    raise TimeoutError(f"UI not up in {UI_READY_TIMEOUT_S}s:\n{ui.log_tail()}")
+    try:
+        wait_until_up(proc, f"{ui.url}/health", UI_READY_TIMEOUT_S, ui.log_tail)
+    except TimeoutError:
+        stop_ui(ui)
+        raise
+    return ui
 
 
 def stop_ui(ui: UIProcess) -> None:
-    """SIGINT, then SIGKILL the UI's process group if it does not stop within 15 s."""
-    if ui.proc.poll() is None:
-        os.killpg(ui.proc.pid, signal.SIGINT)
-        try:
-            ui.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(ui.proc.pid, signal.SIGKILL)
-            ui.proc.wait()
+    """Stop the UI's process group (15 s grace)."""
+    stop_group(ui.proc, 15)
 
 
 async def local_only(route) -> None:
