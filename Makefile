@@ -18,7 +18,7 @@ UI_PY := $(UI_VENV)/bin/python
 UI_STAMP := $(UI_VENV)/.installed
 UI_PORT ?= 8080
 
-.PHONY: install demo serve serve-full model test clean help ui-install ui monitoring-check prometheus bench-autotune
+.PHONY: install demo serve serve-full model test clean help system-deps ui-install ui monitoring-check prometheus bench-autotune
 
 help:
 	@echo "make demo   - API + chat UI on the tiny model; prints both URLs when ready (login demo/demo)"
@@ -68,7 +68,17 @@ serve-full: install
 	$(PY) -m serve.models.build --size full --out $(FULL_MODEL)
 	$(PY) -m serve --model $(FULL_MODEL) --load-format dummy --host $(HOST) --port $(PORT)
 
-test: install model ui-install
+# Debian packages the tests drive for real: Chromium (UI tests; Playwright's own browser
+# download needs internet) and Prometheus + promtool (monitoring tests).
+system-deps:
+	@if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null \
+	    || ! command -v prometheus >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium prometheus; \
+	fi
+
+test: install model ui-install system-deps
 	$(PY) -m pytest -q
 
 # Goodput of the max_num_seqs autotuner vs static limits on the engine simulator (~10 s).
