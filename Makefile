@@ -81,10 +81,11 @@ system-deps:
 test: install model ui-install system-deps
 	$(PY) -m pytest -q
 
-# Goodput of the max_num_seqs autotuner vs static limits on the engine simulator (~10 s).
-bench-autotune: install
+# Goodput of the max_num_seqs autotuner vs static limits: on the engine simulator (~10 s),
+# then on the real tiny engine on CPU (~11 min, one server per setting; needs a quiet machine).
+bench-autotune: install model
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) -m bench.autotune --out bench/out $(BENCH_ARGS)
+	$(PY) -m bench.autotune --out bench/out --cpu-engine $(BENCH_ARGS)
 
 monitoring-check:
 	promtool check config monitoring/prometheus/prometheus.yml
