@@ -105,3 +105,17 @@ def test_no_oscillation_in_steady_load():
     tail = [d.new_limit for d in list(c.decisions)[-30:]]
     assert max(tail) - min(tail) == 0, tail
     assert 0.7 <= ttft(tail[-1]) <= 1.0  # settled inside the hysteresis band
+
+
+def test_no_windup_while_a_decrease_drains():
+    c = Controller(CFG, limit=32)
+    assert c.step(busy(0, 32, ttft_p90_s=3.0)).new_limit == 24
+    # 32 requests admitted under the old limit still run: their late TTFTs are not news.
+    d = c.step(busy(1, 24, in_flight=32, ttft_p90_s=3.0))
+    assert (d.direction, d.reason, d.new_limit) == ("hold", "draining", 24)
+    # A hard signal (preemption) still cuts while draining.
+    d = c.step(busy(2, 24, in_flight=30, preemptions=1))
+    assert (d.direction, d.reason) == ("down", "preemption")
+    # Drained below the limit and still slow: cut again.
+    d = c.step(busy(3, 18, in_flight=18, ttft_p90_s=3.0))
+    assert d.direction == "down"

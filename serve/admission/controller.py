@@ -11,7 +11,9 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
   already saturated).
 - **Hold** otherwise (the band between ``headroom`` x target and target is the hysteresis
-  that prevents oscillation under steady load).
+  that prevents oscillation under steady load), and also on a latency breach while the last
+  decrease is still draining (in-flight > limit): those slow samples come from requests
+  admitted under the old limit, and cutting on them again is windup.
 - Bounds ``[min_seqs, ceiling]`` always; ``ceiling`` is the engine's ``--max-num-seqs``.
 
 Sources: Netflix concurrency-limits ``AIMDLimit`` / ``Gradient2Limit`` (multiplicative backoff
@@ -33,8 +35,8 @@ from typing import Literal
 Direction = Literal["up", "down", "hold"]
 
 #: ``reason`` label values of ``phi3v_autotuner_decisions_total``.
-REASONS = ("demand", "slo_ttft", "slo_itl", "preemption", "kv_cache", "cooldown", "steady",
-           "idle", "static", "bound")
+REASONS = ("demand", "slo_ttft", "slo_itl", "preemption", "kv_cache", "cooldown", "draining",
+           "steady", "idle", "static", "bound")
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,12 @@ class Controller:
         c = self.config
         old = self.limit
         reason = self.overload_reason(s)
-        if reason is not None:
+        if reason in ("slo_ttft", "slo_itl") and s.in_flight > old:
+            # The last decrease is still draining (lowering never aborts running requests):
+            # the late samples of requests admitted under the old limit would cut again and
+            # again (windup, seen on the real CPU engine). Hard signals still cut at once.
+            new, direction, reason = old, "hold", "draining"
+        elif reason is not None:
             new = self._clamp(math.floor(old * c.decrease_factor))
             self._cooldown_until = s.t + c.cooldown_s
             direction: Direction = "down" if new < old else "hold"
