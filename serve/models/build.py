@@ -389,30 +389,45 @@ def build(size: str, out: str | Path, seed: int = 0, force: bool = False,
     out = Path(out)
     stamp = {"kind": size, "seed": seed if size == "tiny" else None, "num_crops": num_crops,
              "sources": _source_digest()}
-    if not force and _read_stamp(out) == stamp:
-        log.info("%s is up to date (%s)", out, stamp)
-        return out
-    _check_replaceable(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        config = model_config(size)
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation_config())
-        _write_json(tmp / "preprocessor_config.json", preprocessor_config(num_crops))
+    config = model_config(size)
+
+    def add_weights(tmp: Path) -> None:
         tok.save_tokenizer(tmp, model_max_length=config["max_position_embeddings"])
-        _copy_remote_code(tmp)
         if size == "tiny":
             from safetensors.torch import save_file
 
             save_file(random_weights(config, seed), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    if _write_model_dir(out, stamp, config, num_crops, force, add_weights):
+        log.info("built %s model at %s", size, out)
+    return out
+
+
+def _write_model_dir(out: Path, stamp: dict, config: dict, num_crops: int, force: bool,
+                     add_files) -> bool:
+    """Stage a model directory next to ``out`` and swap it in; False when already up to date.
+
+    Writes config.json, generation_config.json, preprocessor_config.json, our remote code and
+    the build stamp; ``add_files(tmp)`` adds the rest (tokenizer, weights or links).
+    """
+    if not force and _read_stamp(out) == stamp:
+        log.info("%s is up to date (%s)", out, stamp)
+        return False
+    _check_replaceable(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", generation_config())
+        _write_json(tmp / "preprocessor_config.json", preprocessor_config(num_crops))
+        _copy_remote_code(tmp)
+        add_files(tmp)
         _write_json(tmp / STAMP_FILE, stamp)
         _install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("built %s model at %s", size, out)
-    return out
+    return True
 
 
 def _real_weight_files(weights_dir: Path) -> tuple[list[str], list[str]]:
@@ -470,29 +485,17 @@ def prepare_real(weights_dir: str | Path, out_dir: str | Path, force: bool = Fal
         inputs.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
     stamp = {"kind": "real", "weights_dir": str(src), "inputs": inputs.hexdigest()[:16],
              "num_crops": num_crops, "sources": _source_digest()}
-    if not force and _read_stamp(out) == stamp:
-        log.info("%s is up to date", out)
-        return out
-    _check_replaceable(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        config = model_config("full")
-        config.update({k: real[k] for k in REAL_TEXT_FIELDS if k in real})
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation_config())
-        _write_json(tmp / "preprocessor_config.json", preprocessor_config(num_crops))
-        _copy_remote_code(tmp)
+    config = model_config("full")
+    config.update({k: real[k] for k in REAL_TEXT_FIELDS if k in real})
+
+    def add_links(tmp: Path) -> None:
         links = [*weights, *REAL_TOKENIZER_FILES,
                  *(n for n in REAL_OPTIONAL_FILES if (src / n).is_file())]
         for name in links:
             os.symlink(src / name, tmp / name)
-        _write_json(tmp / STAMP_FILE, stamp)
-        _install(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("prepared %s from %s", out, src)
+
+    if _write_model_dir(out, stamp, config, num_crops, force, add_links):
+        log.info("prepared %s from %s", out, src)
     return out
 
 
