@@ -43,24 +43,19 @@ async def drain(client: httpx.AsyncClient, server, max_tokens: int) -> httpx.Res
 async def test_running_never_exceeds_static_limit(static_server):
     srv = static_server
     samples: list[tuple[float, float]] = []
-    stop = asyncio.Event()
-
-    async def sampler():
-        while not stop.is_set():
+    async with httpx.AsyncClient(timeout=120) as client:
+        # 4 long answers at once: 2 run, 2 queue (max_queue=2). Sample for a few seconds, then
+        # the clients leave (which frees the slots), whatever the machine's speed.
+        tasks = [asyncio.create_task(drain(client, srv, 4000)) for _ in range(4)]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline or len(samples) < 10:
             scrape = await asyncio.to_thread(srv.metrics)
             samples.append((srv.metric("vllm:num_requests_running", scrape=scrape),
                             srv.metric("phi3v_running_requests", scrape=scrape)))
             await asyncio.sleep(0.02)
-
-    task = asyncio.create_task(sampler())
-    async with httpx.AsyncClient(timeout=120) as client:
-        # 4 at once: 2 run, 2 queue (max_queue=2). On a busy machine a queued one may time
-        # out (429 queue_timeout, max_queue_wait_s=6); what matters is the limit.
-        results = await asyncio.gather(*[drain(client, srv, 200) for _ in range(4)])
-    stop.set()
-    await task
-    codes = [r.status_code for r in results]
-    assert codes.count(200) >= 2 and set(codes) <= {200, 429}
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     assert max(engine for engine, _ in samples) == STATIC_LIMIT, samples
     assert all(engine <= STATIC_LIMIT and ours <= STATIC_LIMIT for engine, ours in samples)
 
