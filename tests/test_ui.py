@@ -423,13 +423,15 @@ async def test_unreadable_and_oversize_files_are_refused_with_the_limit(chat, se
     # uploaded here. Known issue, in ui/README.md.)
     assert not any(STATS_RE.search(t) for t in await chat.assistant_texts()), \
         "a refused file reached the model"
-    # more bytes than the server takes: refused by the browser before any upload
+    # more bytes than the server takes: refused by the browser before any upload (in a fresh
+    # composer, so no earlier attachment state is involved)
+    await chat.new_chat()
     max_mb = images.upload_spec(limits)["max_size_mb"]
     huge = tmp_path / "huge.png"
     with open(huge, "wb") as f:  # sparse: the browser checks the size before reading
         f.truncate(max_mb * 1_000_000 + 1)
     await chat.attach(huge)
-    assert await chat.toast() == f"File is larger than {max_mb} MB"
+    assert await chat.toast(timeout_ms=30_000) == f"File is larger than {max_mb} MB"
     assert await chat.count("#attachments") == 0
 
 
