@@ -123,7 +123,9 @@ def test_two_images_in_one_message(server, images):
     for name in ("chelsea.png", "rocket.jpg"):
         with Image.open(images / name) as im:
             sizes.append(im.size)
+    images_before = server.metric("phi3v_request_images_sum")
     reply = chat(server, [user_message("Compare the two images.", *urls)])
+    assert server.metric("phi3v_request_images_sum") - images_before == 2
     expected = (text_prompt_tokens(server, "Compare the two images.") - 1 + 2
                 + sum(image_tokens(*s) for s in sizes))
     assert reply["usage"]["prompt_tokens"] == expected

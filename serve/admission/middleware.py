@@ -27,6 +27,7 @@ from serve.admission import metrics
 from serve.admission.limiter import AdmissionLimiter, Rejected
 from serve.asgi import ClientGone, read_body, replay
 from serve.errors import openai_error
+from serve.intake.middleware import IMAGES_SCOPE_KEY
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
@@ -102,17 +103,6 @@ class ResponseTracker:
         return e2e is not None and e2e <= slo.ttft_s + slo.itl_s * max(0, tokens - 1)
 
 
-def count_images(body: bytes) -> int:
-    """Number of ``image_url`` parts in a chat request body (0 when unparseable)."""
-    try:
-        messages = json.loads(body).get("messages") or []
-        return sum(1 for m in messages if isinstance(m, dict)
-                   for part in (m.get("content") if isinstance(m.get("content"), list) else [])
-                   if isinstance(part, dict) and part.get("type") == "image_url")
-    except (ValueError, AttributeError):
-        return 0
-
-
 class AdmissionMiddleware:
     """Admission control + goodput accounting in front of vLLM's OpenAI app.
 
@@ -139,7 +129,8 @@ class AdmissionMiddleware:
         try:
             body = await read_body(receive)
             metrics.REQUESTS.inc()
-            metrics.IMAGES.observe(count_images(body))
+            # Counted by the intake, which already parsed the body (0 for /v1/completions).
+            metrics.IMAGES.observe(scope.get(IMAGES_SCOPE_KEY, 0))
             slot = await self._acquire(receive)
         except ClientGone:
             return

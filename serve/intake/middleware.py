@@ -23,6 +23,8 @@ from serve.intake.urls import UrlPolicy, fetch_image_url
 
 log = logging.getLogger("serve.intake")
 CHAT_PATH = "/v1/chat/completions"
+#: ASGI scope key carrying the request's image count to the layers behind the intake.
+IMAGES_SCOPE_KEY = "phi3v.images"
 #: Request fields vLLM would honour but we do not let clients set.
 REFUSED_FIELDS = ("media_io_kwargs", "chat_template", "chat_template_kwargs")
 
@@ -54,14 +56,15 @@ class IntakeMiddleware:
         except ClientGone:
             return
         try:
-            body = await self.process(raw)
+            body, images = await self.process(raw)
         except IntakeError as err:
             await err.response()(scope, receive, send)
             return
-        await self.app(with_content_length(scope, len(body)), replay(body, receive), send)
+        scope = {**with_content_length(scope, len(body)), IMAGES_SCOPE_KEY: images}
+        await self.app(scope, replay(body, receive), send)
 
-    async def process(self, raw: bytes) -> bytes:
-        """The cleaned request body.
+    async def process(self, raw: bytes) -> tuple[bytes, int]:
+        """The cleaned request body and its number of images.
 
         Raises:
             IntakeError: the first client mistake found.
@@ -86,4 +89,4 @@ class IntakeMiddleware:
             sizes.append((image.width, image.height))
         if self.budget is not None:
             self.budget.check(request, sizes)
-        return json.dumps(request.body).encode()
+        return json.dumps(request.body).encode(), len(request.images)
