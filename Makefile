@@ -18,12 +18,13 @@ UI_PY := $(UI_VENV)/bin/python
 UI_STAMP := $(UI_VENV)/.installed
 UI_PORT ?= 8080
 
-.PHONY: install demo serve serve-full model test clean help system-deps ui-install ui monitoring-check prometheus bench-autotune
+.PHONY: install demo serve serve-full model test clean help system-deps ui-install ui monitoring-check prometheus bench bench-autotune
 
 help:
 	@echo "make demo   - API + chat UI on the tiny model; prints both URLs when ready (login demo/demo)"
 	@echo "make ui     - the chat UI on http://$(HOST):$(UI_PORT) against a running API (own venv ui/.venv)"
 	@echo "make test   - run the test suite (real tiny engine on CPU)"
+	@echo "make bench  - our stack against raw vLLM on the same engine (~10 min); prints the ratios"
 	@echo "make serve  - serve the real $(notdir $(REAL_MODEL)) from WEIGHTS=$(WEIGHTS)"
 
 install: $(STAMP)
@@ -80,6 +81,12 @@ system-deps:
 
 test: install model ui-install system-deps
 	$(PY) -m pytest -q
+
+# What our layers cost: ours vs raw vLLM (same engine arguments) vs ours at limit 1, W1-W5 and
+# memory, ~10 min on this CPU; writes bench/results/ and the README's benchmark table.
+bench: install model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m bench.compare $(BENCH_ARGS)
 
 # Goodput of the max_num_seqs autotuner vs static limits: on the engine simulator (~10 s),
 # then on the real tiny engine on CPU (~11 min, one server per setting; needs a quiet machine).

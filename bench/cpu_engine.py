@@ -318,7 +318,7 @@ def free_port() -> int:
 
 @dataclass
 class EngineServer:
-    """A ``python -m serve`` process started by :func:`start_server`."""
+    """A server process started by :func:`start_process` (``python -m serve`` or raw vLLM)."""
 
     base_url: str
     proc: subprocess.Popen
@@ -341,21 +341,34 @@ def ensure_tiny_model(model: Path = TINY_MODEL) -> Path:
 def start_server(args: list[str], log_path: Path, model: Path = TINY_MODEL,
                  ready_timeout_s: float = READY_TIMEOUT_S) -> EngineServer:
     """Start ``python -m serve --model MODEL --port P *args`` and wait for ``/ready`` 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve", "--model", str(model), "--port", str(port), *args]
+    return start_process(cmd, port, log_path, "/ready", args, ready_timeout_s=ready_timeout_s)
+
+
+def start_process(cmd: list[str], port: int, log_path: Path, ready_path: str,
+                  args: list[str] | None = None, env: dict[str, str] | None = None,
+                  ready_timeout_s: float = READY_TIMEOUT_S) -> EngineServer:
+    """Start an HTTP server process ``cmd`` listening on ``port`` in its own process group and
+    wait until ``ready_path`` answers 200.
+
+    Raises:
+        RuntimeError: the process exited (with its log tail).
+        TimeoutError: not ready within ``ready_timeout_s`` seconds (the process is stopped).
+    """
     import httpx
 
-    port = free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "serve", "--model", str(model), "--port", str(port), *args]
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    server = EngineServer(f"http://127.0.0.1:{port}", proc, log_path, args)
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+    server = EngineServer(f"http://127.0.0.1:{port}", proc, log_path, args or cmd)
     while time.monotonic() - t0 < ready_timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_tail()}")
         try:
-            if httpx.get(f"{server.base_url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{server.base_url}{ready_path}", timeout=2).status_code == 200:
                 server.ready_s = time.monotonic() - t0
                 return server
         except httpx.TransportError:

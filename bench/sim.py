@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 
 from serve.admission import controller_config
 from serve.admission.autotuner import Autotuner
+from serve.admission.capacity import kv_safe_seqs
 from serve.admission.controller import Controller, ControllerConfig, Decision
 from serve.admission.limiter import (QUEUE_FULL, QUEUE_TIMEOUT, SLO as SLO_REJECT,
                                      AdmissionLimiter, Slot)
@@ -120,14 +121,18 @@ class Setup:
 
         The controller constants come from :func:`serve.admission.controller_config`, as in
         the server; the engine takes the settings' ``max_num_seqs`` and
-        ``max_num_batched_tokens``. ``start_limit`` is what ``autotune=auto`` resolves to.
+        ``max_num_batched_tokens``. ``start_limit`` is what ``autotune=auto`` starts from on a
+        server with this engine: the KV-safe capacity of its KV cache
+        (:func:`serve.admission.capacity.kv_safe_seqs`), unless the settings fix a limit.
         """
         s = settings.model_copy(update={"autotune": "auto"}).resolved()
         config = controller_config(s)
         engine = replace(engine, max_num_seqs=s.max_num_seqs,
                          max_num_batched_tokens=s.max_num_batched_tokens)
+        start = s.admission_limit if settings.admission_limit is not None else kv_safe_seqs(
+            engine.kv_capacity_tokens, s.num_crops, s.max_num_seqs)
         return cls(engine=engine, slo=SloTargets(s.slo_ttft_s, s.slo_itl_s), controller=config,
-                   start_limit=s.admission_limit, interval_s=s.autotune_interval_s,
+                   start_limit=start, interval_s=s.autotune_interval_s,
                    window_s=s.autotune_window_s, max_queue=s.max_queue,
                    max_queue_wait_s=s.max_queue_wait_s)
 
@@ -310,7 +315,7 @@ class SimGate(AdmissionLimiter):
         self.expire()
         while self.queue and self._in_flight < self._limit:
             result = self.queue.popleft()
-            self._in_flight += 1
+            self._count(+1)
             now = self._clock()
             self._on_admit_cb(result, Slot(self, now, now - result.arrival_s))
 

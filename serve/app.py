@@ -213,6 +213,10 @@ class Gateway:
             # Run vLLM's app lifespan (its periodic stats logging) as vLLM's server would.
             await self._exit_stack.enter_async_context(app.router.lifespan_context(app))
             await self.intake.load_budget(engine, self.settings)
+            kv_tokens = engine_mod.kv_cache_tokens(engine)
+            capacity = self.admission.apply_kv_capacity(self.settings, kv_tokens)
+            log.info("KV cache: %s tokens; KV-safe capacity %s requests; admission limit %d",
+                     kv_tokens, capacity, self.admission.limiter.limit)
             # Request layers, outermost first: body limit -> intake (validation, images,
             # prompt length) -> admission control -> stream guard -> vLLM's OpenAI app.
             self.state.openai_app = BodyLimitMiddleware(

@@ -11,6 +11,7 @@ to ``os.environ`` (see :func:`apply_engine_env`).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from argparse import Namespace
@@ -50,6 +51,44 @@ def vllm_frontend_args(settings: Settings) -> Namespace:
     # refuses media_io_kwargs before vLLM sees a request.
     args.trust_request_mm_kwargs = True
     return args
+
+
+def vllm_cli_args(settings: Settings) -> list[str]:
+    """Command-line flags of vLLM's own OpenAI server for the engine our ``settings`` run.
+
+    ``python -m vllm.entrypoints.openai.api_server *vllm_cli_args(s)`` (with
+    :meth:`Settings.engine_env` in its environment) is plain vLLM on the same engine: the
+    baseline of ``make bench``. Derived from :meth:`Settings.engine_kwargs`, never restated:
+    ``key`` becomes ``--key`` (``_`` to ``-``), ``True`` ``--key``, ``False`` ``--no-key`` (or
+    nothing where vLLM's flag is a plain switch that is off by default), dicts JSON, lists one
+    value each. Imports vLLM (its argument parser is the reference).
+
+    Raises:
+        ValueError: a ``False`` setting vLLM's parser cannot express.
+    """
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    options = parser._option_string_actions  # noqa: SLF001 - argparse's own flag table
+    argv: list[str] = []
+    for key, value in settings.engine_kwargs().items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            negative = "--no-" + key.replace("_", "-")
+            if value:
+                argv.append(flag)
+            elif negative in options:
+                argv.append(negative)
+            elif options[flag].default:
+                raise ValueError(f"vLLM has no flag to turn {key} off")
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return [*argv, "--host", settings.host, "--port", str(settings.port)]
 
 
 def build_engine_args(settings: Settings):
@@ -103,6 +142,14 @@ async def build_openai_app(engine: "AsyncLLM", settings: Settings) -> "FastAPI":
     app = build_app(args, supported_tasks, engine.model_config)
     await init_app_state(engine, app.state, args, supported_tasks)
     return app
+
+
+def kv_cache_tokens(engine: "AsyncLLM") -> int | None:
+    """The engine's KV-cache capacity in tokens (``num_gpu_blocks x block_size``, the numbers
+    vLLM settled on after profiling memory), or None where vLLM did not report them."""
+    cache = engine.vllm_config.cache_config
+    blocks, block_size = getattr(cache, "num_gpu_blocks", None), cache.block_size
+    return blocks * block_size if blocks and block_size else None
 
 
 def engine_config_summary(engine: "AsyncLLM") -> dict[str, Any]:

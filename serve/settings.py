@@ -138,6 +138,12 @@ class Settings(BaseSettings):
         ["PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF"],
         description="Image formats accepted (Pillow format names).",
     )
+    image_cache_bytes: int = Field(
+        256 * 2**20,
+        ge=0,
+        description="Memory for prepared images keyed by content hash, bytes (0: off). Chat "
+        "clients re-send history images every turn; a cached one costs a hash.",
+    )
     num_crops: int | None = Field(
         None,
         ge=1,
@@ -211,9 +217,18 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="Starting (auto) or fixed (static) admission limit, requests; default: "
-        "the max_num_seqs ceiling for static, ceiling // 8 for auto.",
+        "the KV-safe capacity (the most sequences whose KV cache fits at once, computed at "
+        "boot from the engine's real KV cache, at most the max_num_seqs ceiling).",
     )
     min_seqs: int = Field(1, ge=1, description="Floor of the live limit, requests.")
+    engine_queue: int | None = Field(
+        None,
+        ge=0,
+        description="Requests admitted past the live limit while it is at the max_num_seqs "
+        "ceiling: they wait inside vLLM already preprocessed, so a finished sequence's slot "
+        "is refilled at the next engine step as in plain vLLM; default: the ceiling (up to "
+        "2 x max_num_seqs admitted, as many as plain vLLM would hold).",
+    )
     max_queue: int = Field(
         256, ge=0, description="Most requests queued at the gateway; more get 429 queue_full."
     )
@@ -277,9 +292,11 @@ class Settings(BaseSettings):
         }
         update = {k: v for k, v in defaults.items() if getattr(self, k) is None}
         resolved = self.model_copy(update=update)
+        if resolved.engine_queue is None:
+            resolved.engine_queue = resolved.max_num_seqs
         if resolved.admission_limit is None:
-            ceiling = resolved.max_num_seqs
-            resolved.admission_limit = ceiling if self.autotune == "static" else ceiling // 8
+            # The ceiling until the engine's KV capacity is known (serve.admission.capacity).
+            resolved.admission_limit = resolved.max_num_seqs
         resolved.admission_limit = max(resolved.min_seqs,
                                        min(resolved.admission_limit, resolved.max_num_seqs))
         return resolved

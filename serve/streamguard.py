@@ -24,6 +24,10 @@ from serve.errors import error_body
 log = logging.getLogger("serve.streamguard")
 
 ABNORMAL_FINISH = ("abort", "error")
+#: Bytes without which an event can be neither an error nor an abnormal finish: vLLM writes
+#: compact JSON, so ``"error"`` (key or finish reason) and ``"abort"`` appear verbatim, while a
+#: quote inside answer text is escaped (``\"error\"``) and cannot match.
+_MARKERS = tuple(f'"{word}"'.encode() for word in ABNORMAL_FINISH)
 
 
 def error_event(message: str, type_: str = "server_error", status: int = 500) -> bytes:
@@ -49,6 +53,10 @@ class _Stream:
 
     async def feed(self, chunk: bytes) -> None:
         """Forward complete events until the stream is closed."""
+        if not self.buffer and chunk.endswith(b"\n\n") and chunk.count(b"\n\n") == 1:
+            if not self.closed:  # the common case: one whole event per message, no copies
+                await self._event(chunk)
+            return
         self.buffer += chunk
         while b"\n\n" in self.buffer and not self.closed:
             event, self.buffer = self.buffer.split(b"\n\n", 1)
@@ -61,6 +69,9 @@ class _Stream:
         if payload == b"[DONE]":
             self.closed = True
             await self.emit(event)
+            return
+        if not any(marker in payload for marker in _MARKERS):
+            await self.emit(event)  # an ordinary chunk: no JSON parse on the hot path
             return
         try:
             data = json.loads(payload)

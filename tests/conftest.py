@@ -166,7 +166,9 @@ def server():
     """The session's API server (tiny model, CPU defaults)."""
     # Generous latency targets: the autotuner test needs latency headroom even when the CI
     # machine's two cores are busy with other tests' clients.
-    srv = start_server(["--slo-ttft-s", "30", "--slo-itl-s", "2"])
+    # An explicit start limit of 8 below the ceiling (32), so the autotuner has room to raise it
+    # (by default auto starts at the KV-safe capacity, which is the ceiling on CPU).
+    srv = start_server(["--slo-ttft-s", "30", "--slo-itl-s", "2", "--admission-limit", "8"])
     yield srv
     stop_server(srv)
 

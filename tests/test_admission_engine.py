@@ -149,6 +149,10 @@ async def test_autotuner_raises_limit_and_admission_follows(server):
     state = httpx.get(f"{server.base_url}/admin/autotuner").json()
     interval = state["interval_s"]
     start_limit = int(await m("phi3v_max_num_seqs"))
+    # The KV-safe capacity is computed from the engine's real KV cache (131,072 tokens on
+    # CPU: far more than 32 image requests), while the explicit --admission-limit is kept.
+    assert await m("phi3v_kv_safe_seqs") == state["config"]["ceiling"] == 32
+    assert state["start"] == 8
     total = start_limit + 8
     async with httpx.AsyncClient(timeout=300) as client:
         # Long answers keep the queue non-empty over several autotuner intervals even on an

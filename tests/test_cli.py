@@ -33,3 +33,30 @@ def test_make_serve_without_weights_is_a_clear_message(tmp_path):
     assert res.returncode != 0
     assert "make demo" in res.stderr
     assert "Traceback" not in res.stderr + res.stdout
+
+
+def test_raw_vllm_baseline_gets_exactly_our_engine_arguments():
+    """``make bench``'s raw vLLM runs the engine our settings describe: vLLM's own parser reads
+    back every engine argument, on CPU and GPU defaults alike."""
+    code = """
+import json
+from serve.engine import vllm_cli_args
+from serve.settings import Settings
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+out = []
+for device in ("cpu", "cuda"):
+    s = Settings(device=device, port=8123, max_num_seqs=48)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(s))
+    out.append({k: [v, getattr(args, k)] for k, v in s.engine_kwargs().items()}
+               | {"port": [8123, args.port]})
+print(json.dumps(out))
+"""
+    res = run(sys.executable, "-c", code)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+
+    for device in json.loads(res.stdout.strip().splitlines()[-1]):
+        assert device["max_num_seqs"] == [48, 48]
+        for key, (ours, parsed) in device.items():
+            assert ours == parsed, key

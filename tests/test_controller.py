@@ -119,3 +119,16 @@ def test_no_windup_while_a_decrease_drains():
     # Drained below the limit and still slow: cut again.
     d = c.step(busy(3, 18, in_flight=18, ttft_p90_s=3.0))
     assert d.direction == "down"
+
+
+def test_idle_engine_gets_its_start_limit_back():
+    """After an overload cut, an idle engine takes the next burst at the KV-safe start."""
+    c = Controller(ControllerConfig(ceiling=64, ttft_target_s=1.0), limit=32)
+    c.step(Signals(t=0.0, in_flight=32, pending=10, ttft_p90_s=5.0))
+    assert c.limit < 32
+    held = c.step(Signals(t=1.0, in_flight=3, pending=0))
+    assert held.reason == "cooldown" and c.limit < 32  # still inside the cooldown
+    back = c.step(Signals(t=60.0, in_flight=0, pending=0))
+    assert (back.direction, back.reason, c.limit) == ("up", "idle", 32)
+    c.set_start(100)
+    assert c.start == c.limit == 64  # clamped to the ceiling

@@ -76,15 +76,17 @@ async def test_slo_shedding_uses_completion_rate():
         s = await lim.acquire()
         clock.t += 1.0
         s.release()
-    assert lim.completion_rate() == pytest.approx(4 / 3, rel=0.01)
+    assert lim.completion_rate() == pytest.approx(1.0, rel=0.01)
+    clock.t += 20.0  # idle time does not dilute the service rate of a busy server
+    assert lim.completion_rate() == pytest.approx(1.0, rel=0.01)
     held = await lim.acquire()
     queued = [asyncio.create_task(lim.acquire()) for _ in range(3)]
     await asyncio.sleep(0)
-    # 4th in line: expected wait (3+1)/1.33 = 3 s > 2 s target -> shed.
+    # 4th in line: expected wait (3+1)/1 = 4 s > 2 s target -> shed.
     with pytest.raises(Rejected) as exc:
         await lim.acquire(ttft_target_s=2.0)
     assert exc.value.reason == SLO
-    assert exc.value.retry_after_s == 3
+    assert exc.value.retry_after_s == 4
     # A lenient target is queued instead.
     lenient = asyncio.create_task(lim.acquire(ttft_target_s=100.0))
     await asyncio.sleep(0)
@@ -193,3 +195,26 @@ async def test_no_slot_leak_after_200_mixed_requests():
     assert lim.in_flight == 0 and lim.pending == 0
     assert peak <= 4
     assert outcomes["ok"] > 0 and outcomes["rejected"] > 0
+
+
+async def test_engine_queue_only_at_the_ceiling():
+    """At the ceiling a few more requests go in to wait inside vLLM (preprocessed); below it
+    the live limit is exact."""
+    lim = AdmissionLimiter(limit=4, max_queue=10, max_queue_wait_s=5, ceiling=4, engine_queue=2)
+    slots = [await asyncio.wait_for(lim.acquire(), 1) for _ in range(6)]
+    assert lim.in_flight == 6 and lim.pending == 0 and lim.capacity == 6
+    waiting = asyncio.create_task(lim.acquire())
+    await asyncio.sleep(0)
+    assert lim.pending == 1
+    lim.set_limit(3)  # below the ceiling: exact, nothing new until in-flight < 3
+    assert lim.capacity == 3
+    for s in slots[:3]:
+        s.release()
+    await asyncio.sleep(0)
+    assert not waiting.done() and lim.in_flight == 3
+    slots[3].release()
+    slot = await asyncio.wait_for(waiting, 1)
+    assert lim.in_flight == 3
+    for s in [*slots[4:], slot]:
+        s.release()
+    assert lim.in_flight == 0

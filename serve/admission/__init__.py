@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from serve.admission import metrics
 from serve.admission.autotuner import Autotuner
+from serve.admission.capacity import kv_safe_seqs
 from serve.admission.controller import Controller, ControllerConfig
 from serve.admission.limiter import AdmissionLimiter
 from serve.admission.middleware import AdmissionMiddleware, SloTargets
@@ -45,7 +46,8 @@ class Admission:
     def from_settings(cls, settings: Settings) -> "Admission":
         s = settings.resolved()
         config = controller_config(s)
-        limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s)
+        limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s,
+                                   ceiling=s.max_num_seqs, engine_queue=s.engine_queue)
         feed = EngineStatsFeed(window_s=s.autotune_window_s)
         autotuner = Autotuner(Controller(config, s.admission_limit), limiter, feed,
                               mode=s.autotune, interval_s=s.autotune_interval_s)
@@ -70,6 +72,30 @@ class Admission:
         metrics.SLO_ITL.set(self.slo.itl_s)
         metrics.AUTOTUNER_AUTO.set(1 if self.autotuner.mode == "auto" else 0)
         metrics.init_decision_series()
+
+    def apply_kv_capacity(self, settings: Settings, kv_tokens: int | None) -> int | None:
+        """Start the autotuner at the engine's KV-safe capacity (``serve.admission.capacity``).
+
+        Only in mode ``auto`` and when ``admission_limit`` was not set explicitly; the limit
+        is also what the controller restores when the engine goes idle.
+
+        Args:
+            settings: the server's settings (unresolved: an explicit limit is kept).
+            kv_tokens: the engine's KV-cache capacity, tokens (None: unknown, keep the
+                ceiling).
+
+        Returns:
+            the KV-safe capacity in requests, or None when ``kv_tokens`` is unknown.
+        """
+        if kv_tokens is None:
+            return None
+        s = settings.resolved()
+        capacity = kv_safe_seqs(kv_tokens, s.num_crops, s.max_num_seqs)
+        metrics.KV_SAFE_SEQS.set(capacity)
+        if s.autotune == "auto" and settings.admission_limit is None:
+            self.autotuner.controller.set_start(capacity)
+            self.limiter.set_limit(self.autotuner.controller.limit)
+        return capacity
 
     def stat_loggers(self) -> list:
         """vLLM stat logger factories feeding :attr:`feed` (imports vLLM)."""

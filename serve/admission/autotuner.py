@@ -86,7 +86,9 @@ class Autotuner:
         return Signals(
             t=self._clock(),
             pending=snap.pending,
-            in_flight=snap.in_flight,
+            # Requests waiting inside vLLM at the ceiling (the limiter's engine queue) are not
+            # in the batch: the controller sees at most the ceiling in flight.
+            in_flight=min(snap.in_flight, self.controller.config.ceiling),
             engine_running=self.feed.running,
             engine_waiting=self.feed.waiting,
             kv_cache_usage=self.feed.kv_cache_usage,
@@ -140,6 +142,8 @@ class Autotuner:
             "mode": self.mode,
             "interval_s": self.interval_s,
             "limit": self.limiter.limit,
+            "capacity": self.limiter.capacity,
+            "engine_queue": self.limiter.engine_queue,
             "in_flight": self.limiter.in_flight,
             "pending": self.limiter.pending,
             "gpu_utilization_available": self.gpu.available,

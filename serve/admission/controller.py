@@ -10,6 +10,10 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
   only when the limit is what binds (in-flight >= limit), requests are queued at the gateway,
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
   already saturated).
+- **Restore** on idle (nothing in flight, nothing queued, no overload): the limit goes back
+  to ``start`` (the KV-safe capacity computed at boot). Whatever made it lower is in the
+  past, and an idle engine must take the next burst at once instead of queueing it behind a
+  limit learnt under another load.
 - **Hold** otherwise (the band between ``headroom`` x target and target is the hysteresis
   that prevents oscillation under steady load), and also on a latency breach while the last
   decrease is still draining (in-flight > limit): those slow samples come from requests
@@ -130,19 +134,24 @@ class Controller:
 
     Args:
         config: constants.
-        limit: starting limit (clamped to the bounds).
+        limit: starting limit (clamped to the bounds); also the limit restored on idle.
         history: how many decisions to keep for ``/admin/autotuner``.
     """
 
     config: ControllerConfig
     limit: int
     history: int = 50
+    start: int = field(init=False)
     _cooldown_until: float = field(default=float("-inf"), init=False)
     decisions: deque = field(init=False)
 
     def __post_init__(self) -> None:
-        self.limit = self._clamp(self.limit)
+        self.limit = self.start = self._clamp(self.limit)
         self.decisions = deque(maxlen=self.history)
+
+    def set_start(self, limit: int) -> None:
+        """Make ``limit`` (clamped) the starting and idle limit, and the limit now."""
+        self.limit = self.start = self._clamp(limit)
 
     def _clamp(self, n: int) -> int:
         return max(self.config.min_seqs, min(self.config.ceiling, n))
@@ -191,7 +200,8 @@ class Controller:
             new = self._clamp(old + step)
             direction, reason = ("up", "demand") if new > old else ("hold", "bound")
         elif s.in_flight == 0 and s.pending == 0:
-            new, direction, reason = old, "hold", "idle"
+            new = max(old, self.start)
+            direction, reason = ("up" if new > old else "hold"), "idle"
         else:
             new, direction, reason = old, "hold", "steady"
         self.limit = new
@@ -203,6 +213,7 @@ class Controller:
         """JSON-able state for ``GET /admin/autotuner``."""
         return {
             "limit": self.limit,
+            "start": self.start,
             "config": asdict(self.config),
             "cooldown_until": None if math.isinf(self._cooldown_until) else self._cooldown_until,
             "decisions": [asdict(d) for d in self.decisions],

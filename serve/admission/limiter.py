@@ -94,13 +94,22 @@ class AdmissionLimiter:
         rate_window_s: seconds of completions used to estimate the completion rate (for
             ``Retry-After`` and SLO shedding).
         clock: monotonic clock in seconds (injectable for tests).
+        ceiling: the engine's ``max_num_seqs`` (None: no engine queue, see ``engine_queue``).
+        engine_queue: requests admitted past the limit while the limit *is* the ceiling. The
+            engine runs at most ``ceiling`` sequences whatever we admit, so these wait inside
+            vLLM, already tokenized and preprocessed, and a finished sequence's batch slot is
+            refilled at the next engine step (as raw vLLM's own waiting queue does) instead of
+            after a request crossed the gateway. Below the ceiling the limit is exact.
     """
 
     def __init__(self, limit: int, max_queue: int, max_queue_wait_s: float,
                  rate_window_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 ceiling: int | None = None, engine_queue: int = 0) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
+        self.ceiling = ceiling
+        self.engine_queue = engine_queue
         self._limit = limit
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
@@ -108,11 +117,21 @@ class AdmissionLimiter:
         self._clock = clock
         self._in_flight = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
-        self._completions: collections.deque[float] = collections.deque()
+        #: (time, busy seconds so far) of each completion in the window.
+        self._completions: collections.deque[tuple[float, float]] = collections.deque()
+        self._busy_total_s = 0.0
+        self._busy_since: float | None = None
 
     # --- state --------------------------------------------------------------------------
     @property
     def limit(self) -> int:
+        return self._limit
+
+    @property
+    def capacity(self) -> int:
+        """Requests admitted at most now: the limit, plus ``engine_queue`` at the ceiling."""
+        if self.ceiling is not None and self._limit >= self.ceiling:
+            return self._limit + self.engine_queue
         return self._limit
 
     @property
@@ -138,21 +157,44 @@ class AdmissionLimiter:
         self._wake()
 
     # --- estimates ----------------------------------------------------------------------
+    def busy_s(self) -> float:
+        """Seconds so far during which at least one request was in flight."""
+        if self._busy_since is None:
+            return self._busy_total_s
+        return self._busy_total_s + self._clock() - self._busy_since
+
+    def _count(self, delta: int) -> None:
+        """Change the in-flight count by ``delta``, keeping the busy-time account."""
+        before = self._in_flight
+        self._in_flight += delta
+        if before == 0 and self._in_flight > 0:
+            self._busy_since = self._clock()
+        elif before > 0 and self._in_flight == 0 and self._busy_since is not None:
+            self._busy_total_s += self._clock() - self._busy_since
+            self._busy_since = None
+
     def completion_rate(self) -> float | None:
-        """Completed requests per second over the last ``rate_window_s`` (None: no data)."""
+        """The service rate: requests completed per second *of busy time* (at least one
+        request in flight), over the completions of the last ``rate_window_s`` seconds.
+
+        Idle time is left out, so a server that just woke up from idle does not look slow
+        (the rate of a busy server is what a queued request will see). Estimate: ``(n - 1)``
+        completions over the busy seconds between the first and the last of the ``n``.
+        None with fewer than two completions in the window.
+        """
         now = self._clock()
-        while self._completions and self._completions[0] < now - self.rate_window_s:
+        while self._completions and self._completions[0][0] < now - self.rate_window_s:
             self._completions.popleft()
         if len(self._completions) < 2:
             return None
-        span = max(now - self._completions[0], 1e-3)
-        return len(self._completions) / span
+        busy = self._completions[-1][1] - self._completions[0][1]
+        return (len(self._completions) - 1) / max(busy, 1e-3)
 
     def expected_wait_s(self, position: int) -> float | None:
         """Expected seconds until a request ``position`` places from the head (0 = next) is
         admitted: ``(position + 1) / completion_rate`` (Little's law on the drain rate).
         None when all slots are free or no rate is known yet."""
-        if self._in_flight < self._limit and position == 0:
+        if self._in_flight < self.capacity and position == 0:
             return 0.0
         rate = self.completion_rate()
         if rate is None:
@@ -183,7 +225,7 @@ class AdmissionLimiter:
                 left the queue and holds no slot.
         """
         start = self._clock()
-        if self._in_flight < self._limit and not self.pending:
+        if self._in_flight < self.capacity and not self.pending:
             return self._admit(start)
         if self.pending >= self.max_queue:
             raise Rejected(QUEUE_FULL, self.retry_after_s(),
@@ -216,7 +258,7 @@ class AdmissionLimiter:
         return Slot(self, self._clock(), self._clock() - start)
 
     def _admit(self, start: float) -> Slot:
-        self._in_flight += 1
+        self._count(+1)
         now = self._clock()
         return Slot(self, now, now - start)
 
@@ -224,7 +266,7 @@ class AdmissionLimiter:
         """A waiter leaves (timeout, cancel). If it had been granted a slot meanwhile, hand the
         slot back, so no slot leaks."""
         if fut.done() and not fut.cancelled():
-            self._in_flight -= 1
+            self._count(-1)
             self._wake()
         else:
             fut.cancel()
@@ -234,15 +276,15 @@ class AdmissionLimiter:
                 pass
 
     def _on_release(self, completed: bool) -> None:
-        self._in_flight -= 1
+        self._count(-1)
         if completed:
-            self._completions.append(self._clock())
+            self._completions.append((self._clock(), self.busy_s()))
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters and self._in_flight < self._limit:
+        while self._waiters and self._in_flight < self.capacity:
             fut = self._waiters.popleft()
             if fut.done():
                 continue
-            self._in_flight += 1
+            self._count(+1)
             fut.set_result(None)

@@ -24,6 +24,9 @@ MAX_NUM_SEQS = Gauge("phi3v_max_num_seqs",
                      "Live admission limit: the effective max_num_seqs (requests).")
 CEILING = Gauge("phi3v_max_num_seqs_ceiling",
                 "Engine max_num_seqs fixed at start: the highest the live limit can go.")
+KV_SAFE_SEQS = Gauge("phi3v_kv_safe_seqs",
+                     "Requests whose KV cache fits at once (engine KV tokens / tokens of a "
+                     "typical image request, at most the ceiling): auto's start and idle limit.")
 REJECTED = Counter("phi3v_rejected_requests",
                    "Requests refused by admission control (HTTP 429), by reason.", ["reason"])
 QUEUE_WAIT = Histogram("phi3v_queue_wait_seconds",

@@ -7,6 +7,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from serve.intake.budget import PromptBudget
+from serve.intake.cache import ImageCache
 from serve.intake.images import ImagePolicy
 from serve.intake.middleware import IntakeMiddleware
 from serve.intake.request import RequestLimits
@@ -21,6 +22,8 @@ class Intake:
     limits: RequestLimits
     images: ImagePolicy
     urls: UrlPolicy
+    cache: ImageCache
+    default_num_crops: int
     budget: PromptBudget | None = None
 
     @classmethod
@@ -37,11 +40,13 @@ class Intake:
                       allowed_networks=tuple(ipaddress.ip_network(n, strict=False)
                                              for n in s.image_url_allowed_networks),
                       max_bytes=s.max_image_bytes, read_timeout_s=s.image_url_timeout_s,
-                      max_redirects=s.image_url_max_redirects))
+                      max_redirects=s.image_url_max_redirects),
+            ImageCache(s.image_cache_bytes), s.num_crops)
 
     def wrap(self, app) -> IntakeMiddleware:
         """``app`` behind the intake (call :meth:`load_budget` first)."""
-        return IntakeMiddleware(app, self.limits, self.images, self.urls, self.budget)
+        return IntakeMiddleware(app, self.limits, self.images, self.urls, self.budget,
+                                self.cache, self.default_num_crops)
 
     async def load_budget(self, engine, settings: Settings) -> None:
         """Attach the prompt-length check, with the engine's tokenizer and context length."""

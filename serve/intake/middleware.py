@@ -2,8 +2,12 @@
 tokens, then hand vLLM a clean body. A client mistake is a 4xx here and never reaches vLLM.
 
 Order inside: JSON -> structure (``serve.intake.request``) -> images (``images``/``urls``,
-decoded in a worker thread so the event loop keeps streaming other answers) -> prompt length
-(``budget``) -> forward with each image replaced by its normalised PNG ``data:`` URL.
+through the prepared-image cache ``cache``) -> prompt length (``budget``) -> forward with each
+image replaced by its prepared ``data:`` URL.
+
+The event loop only moves bytes: parsing the multi-MB JSON, base64 decoding, image decoding
+and tokenisation run in a worker thread (one hop per request, two when an image URL has to be
+fetched in between), so running streams keep their inter-token latency while photos arrive.
 """
 
 from __future__ import annotations
@@ -17,14 +21,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serve.asgi import ClientGone, read_body, replay, with_content_length
 from serve.intake.budget import PromptBudget
 from serve.intake.errors import IntakeError
-from serve.intake.images import ImagePolicy, decode_data_url, normalize_image
-from serve.intake.request import RequestLimits, parse_chat_request
+from serve.intake.cache import ImageCache, image_key
+from serve.intake.images import ImagePolicy, data_url_payload, decode_base64, prepare_image
+from serve.intake.request import ChatRequest, RequestLimits, parse_chat_request
 from serve.intake.urls import UrlPolicy, fetch_image_url
 
 log = logging.getLogger("serve.intake")
 CHAT_PATH = "/v1/chat/completions"
 #: ASGI scope key carrying the request's image count to the layers behind the intake.
 IMAGES_SCOPE_KEY = "phi3v.images"
+#: Largest body handled on the event loop when it has no images (a text chat): parsing it takes
+#: microseconds, less than a hop to a worker thread.
+INLINE_MAX_BYTES = 16 * 1024
 #: Request fields vLLM would honour but we do not let clients set.
 REFUSED_FIELDS = ("media_io_kwargs", "chat_template", "chat_template_kwargs")
 
@@ -36,15 +44,20 @@ class IntakeMiddleware:
         app: the next ASGI app (admission control, then vLLM).
         limits / image_policy / url_policy: the intake policy.
         budget: prompt-length check; ``None`` until the tokenizer is loaded.
+        cache: prepared images by content hash (history images cost a hash).
+        default_num_crops: the server's ``num_crops`` (a request may ask for another).
     """
 
     def __init__(self, app: ASGIApp, limits: RequestLimits, image_policy: ImagePolicy,
-                 url_policy: UrlPolicy, budget: PromptBudget | None = None) -> None:
+                 url_policy: UrlPolicy, budget: PromptBudget | None = None,
+                 cache: ImageCache | None = None, default_num_crops: int = 1) -> None:
         self.app = app
         self.limits = limits
         self.image_policy = image_policy
         self.url_policy = url_policy
         self.budget = budget
+        self.cache = cache if cache is not None else ImageCache(0)
+        self.default_num_crops = default_num_crops
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" \
@@ -66,8 +79,50 @@ class IntakeMiddleware:
     async def process(self, raw: bytes) -> tuple[bytes, int]:
         """The cleaned request body and its number of images.
 
+        A body of at most :data:`INLINE_MAX_BYTES` without images whose prompt provably fits
+        (:meth:`PromptBudget.check`'s bound) is handled on the event loop: microseconds,
+        less than a thread hop. Everything else runs in one worker thread (two when image
+        URLs must be fetched in between).
+
         Raises:
             IntakeError: the first client mistake found.
+        """
+        if len(raw) <= INLINE_MAX_BYTES:
+            request = self.parse(raw)
+            if not request.images and (self.budget is None or self.budget.fits(request)):
+                return self.serialize(request)
+        else:
+            done = await asyncio.to_thread(self.parse_and_finish, raw)
+            if not isinstance(done, ChatRequest):
+                return done
+            request = done
+        if any(ref.url[:5].lower() != "data:" for ref in request.images):
+            return await self.fetch_and_finish(request)
+        return await asyncio.to_thread(self.finish, request, {})
+
+    def parse_and_finish(self, raw: bytes) -> tuple[bytes, int] | ChatRequest:
+        """:meth:`parse` then :meth:`finish` in the calling (worker) thread, unless an image URL
+        must be fetched first: then the parsed request is returned for :meth:`fetch_and_finish`.
+        """
+        request = self.parse(raw)
+        if any(ref.url[:5].lower() != "data:" for ref in request.images):
+            return request
+        return self.finish(request, {})
+
+    async def fetch_and_finish(self, request: ChatRequest) -> tuple[bytes, int]:
+        """Fetch the request's image URLs (SSRF rules in ``serve.intake.urls``), then finish in a
+        worker thread."""
+        fetched = {}
+        for k, ref in enumerate(request.images):
+            if ref.url[:5].lower() != "data:":
+                fetched[k] = await fetch_image_url(ref.url, self.url_policy, ref.param)
+        return await asyncio.to_thread(self.finish, request, fetched)
+
+    def parse(self, raw: bytes) -> ChatRequest:
+        """JSON and structure checks (CPU-bound for a large body: run it in a worker thread).
+
+        Raises:
+            IntakeError: 400 naming the field.
         """
         try:
             data = json.loads(raw)
@@ -75,18 +130,39 @@ class IntakeMiddleware:
             raise IntakeError(400, f"request body is not valid JSON ({exc})") from None
         request = parse_chat_request(data, self.limits)
         for name in REFUSED_FIELDS:
-            if isinstance(data, dict) and data.get(name) is not None:
+            if data.get(name) is not None:
                 raise IntakeError(400, f"{name} is not accepted by this server", name)
+        return request
+
+    def finish(self, request: ChatRequest, fetched: dict[int, bytes]) -> tuple[bytes, int]:
+        """Prepare every image (cached), check the prompt length, serialise (blocking).
+
+        Args:
+            request: the parsed request.
+            fetched: bodies of the image URLs fetched already, by image index.
+
+        Raises:
+            IntakeError: the first bad image, or a prompt over ``max_model_len``.
+        """
+        crops = request.num_crops or self.default_num_crops
         sizes = []
-        for ref in request.images:
-            if ref.url[:5].lower() == "data:":
-                encoded = decode_data_url(ref.url, self.image_policy.max_bytes, ref.param)
-            else:
-                encoded = await fetch_image_url(ref.url, self.url_policy, ref.param)
-            image = await asyncio.to_thread(normalize_image, encoded, self.image_policy,
-                                            ref.param)
-            request.set_image_url(ref, image.data_url())
+        for k, ref in enumerate(request.images):
+            payload = None if k in fetched else data_url_payload(
+                ref.url, self.image_policy.max_bytes, ref.param)
+            key = image_key(fetched[k] if payload is None else payload, crops)
+            image = self.cache.get(key)
+            if image is None:
+                encoded = fetched[k] if payload is None else decode_base64(payload, ref.param)
+                image = prepare_image(encoded, self.image_policy, crops, ref.param,
+                                      base64_payload=payload)
+                self.cache.put(key, image)
+            request.set_image_url(ref, image.url)
             sizes.append((image.width, image.height))
         if self.budget is not None:
             self.budget.check(request, sizes)
+        return self.serialize(request)
+
+    @staticmethod
+    def serialize(request: ChatRequest) -> tuple[bytes, int]:
+        """The body forwarded to vLLM and its number of images."""
         return json.dumps(request.body).encode(), len(request.images)

@@ -144,15 +144,33 @@ def _to_rgb(image):
     return image.convert("RGB")
 
 
+def hd_resize(image, num_crops):
+    """Steps 1-3 and 5 of the HD transform (transpose, bilinear resize, transpose back),
+    without the padding.
+
+    Returns a PIL image of the resized size in the original orientation. Pillow returns a
+    copy when the size is unchanged, so resizing an image this function produced is the
+    identity whenever :func:`hd_transform_size` maps its size to itself.
+    """
+    new_w, new_h, _, _, _, transposed = hd_transform_size(image.width, image.height, num_crops)
+    if transposed:
+        image = image.transpose(Image.Transpose.TRANSPOSE)
+    image = image.resize((new_w, new_h), Image.Resampling.BILINEAR)
+    if transposed:
+        image = image.transpose(Image.Transpose.TRANSPOSE)
+    return image
+
+
 def hd_transform(image, num_crops):
     """Resize and white-pad a PIL RGB image as in Phi-3-vision's ``HD_transform``.
 
     Returns a PIL RGB image whose width and height are multiples of 336.
     """
-    new_w, new_h, _, _, top, transposed = hd_transform_size(image.width, image.height, num_crops)
+    _, _, _, _, top, transposed = hd_transform_size(image.width, image.height, num_crops)
+    image = hd_resize(image, num_crops)
     if transposed:
         image = image.transpose(Image.Transpose.TRANSPOSE)
-    image = image.resize((new_w, new_h), Image.Resampling.BILINEAR)
+    new_w, new_h = image.size
     target_h = int(np.ceil(new_h / CROP_SIZE) * CROP_SIZE)
     canvas = Image.new("RGB", (new_w, target_h), (255, 255, 255))
     canvas.paste(image, (0, top))

@@ -1,0 +1,408 @@
+"""``make bench``: what our layers cost, measured against raw vLLM on the same engine, in one run.
+
+``python -m bench.compare [--out bench/results] [--seed 0] [--no-readme]``
+
+Three servers start one after another on the tiny Phi-3-vision (``models/phi-3-vision-tiny``)
+with the engine arguments of one :class:`~serve.settings.Settings` (``PHI3V_*`` variables
+apply):
+
+- **ours**: ``python -m serve`` with default settings;
+- **raw**: vLLM's own OpenAI server, ``python -m vllm.entrypoints.openai.api_server`` with
+  :func:`serve.engine.vllm_cli_args` (derived from the same settings) and the same
+  environment (:meth:`Settings.engine_env`: offline, in-process engine core, OMP threads);
+- **sequential**: ours pinned at admission limit 1 (``--autotune static --admission-limit 1``).
+
+All three stay up (an idle server uses ~0.02 cores) and the workloads of
+:mod:`bench.workloads` alternate between them, swapping the order half-way, so a slow spell of
+the machine hits both sides alike. Each side gets byte-identical requests; images are
+distinct within a server run, so no cache helps except where the workload re-sends them (W3).
+
+Output: ``OUT/bench.json`` (every number), ``OUT/bench.md`` (the table), ``OUT/bench.png``
+(ratios against their targets), the table copied into the README between its
+``make-bench`` markers, and one last line::
+
+    ratios ours/raw ttft_p50=X throughput=X photo_ttft=X multiturn_ttft=X burst_makespan=X \
+itl_p99=X rss_peak=X burst_non200=N ours/sequential throughput@16=X
+
+Each ours/raw ratio is the worst over W1's concurrencies where several apply (the highest for
+latencies, the lowest for throughput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import workloads as w
+from bench.workloads import percentile
+from bench.cpu_engine import (IMAGES_DIR, ROOT, EngineServer, ensure_tiny_model,
+                              free_port, real_photos, start_process, stop_server)
+
+#: W1's prompts per segment, by kind and concurrency. A cell runs 4 segments per side (2 when a
+#: segment holds 64 prompts), the order of the sides alternating: ~5 min in all on this CPU.
+W1_PROMPTS = {"text": {1: 8, 4: 16, 16: 24, 64: 64}, "image": {1: 4, 4: 8, 16: 12, 64: 64}}
+W1_CONCURRENCIES = (1, 4, 16, 64)
+#: Photos per workload: W2 (one at a time), W3 (conversations x turns), W5 (per repeat),
+#: memory (4 in flight).
+W2_PHOTOS, W3_CONVERSATIONS, W3_TURNS, W5_PHOTOS, MEM_PHOTOS = 6, 2, 4, 3, 8
+#: Targets of issue 9 on this CPU: (ratio name, limit, True when higher is better).
+TARGETS = {"ttft_p50": (1.05, False), "throughput": (0.97, True), "photo_ttft": (1.10, False),
+           "multiturn_ttft": (1.05, False), "burst_makespan": (1.10, False),
+           "itl_p99": (1.15, False), "rss_peak": (1.20, False),
+           "ours/sequential throughput@16": (7.0, True)}
+README_BEGIN, README_END = "<!-- make-bench:begin -->", "<!-- make-bench:end -->"
+
+
+@dataclass
+class Side:
+    """One server of the comparison."""
+
+    name: str
+    server: EngineServer
+
+
+def model_dir() -> Path:
+    """The model every server of the run serves: ``Settings().model`` (``PHI3V_MODEL``), the
+    tiny model by default (built if missing)."""
+    from serve.settings import DEFAULT_TINY_MODEL_DIR, Settings
+
+    model = Settings().model
+    if model == DEFAULT_TINY_MODEL_DIR:
+        return ensure_tiny_model()
+    return (ROOT / model).resolve()
+
+
+def start_sides(out: Path, sides: dict[str, Side]) -> None:
+    """Start ours, raw vLLM and the sequential baseline, one after another, into ``sides``
+    (filled as they come up, so the caller can stop what started if a later one fails).
+    ``PHI3V_*`` variables reach all three (raw vLLM through :func:`vllm_cli_args`)."""
+    from serve.engine import vllm_cli_args
+    from serve.settings import Settings
+
+    model = str(model_dir())
+    port = free_port()
+    sides["ours"] = Side("ours", start_process(
+        [sys.executable, "-m", "serve", "--model", model, "--port", str(port)],
+        port, out / "logs" / "ours.log", "/ready"))
+    port = free_port()
+    settings = Settings(model=model, port=port)
+    sides["raw"] = Side("raw", start_process(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_cli_args(settings)],
+        port, out / "logs" / "raw.log", "/v1/models", env=settings.engine_env()))
+    port = free_port()
+    sides["sequential"] = Side("sequential", start_process(
+        [sys.executable, "-m", "serve", "--model", model, "--port", str(port),
+         "--autotune", "static", "--admission-limit", "1"],
+        port, out / "logs" / "sequential.log", "/ready"))
+
+
+def halves(items: list) -> tuple[list, list]:
+    """First and second half (the order of the sides swaps between them)."""
+    return items[: len(items) // 2], items[len(items) // 2:]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
+    """Every workload, alternating ours and raw. Returns the raw measurements."""
+    ours, raw = sides["ours"].server.base_url, sides["raw"].server.base_url
+    pair = {"ours": ours, "raw": raw}
+    sources = real_photos(IMAGES_DIR)
+    t0 = time.monotonic()
+    photos = w.photo_urls(sources, W2_PHOTOS + W3_CONVERSATIONS * W3_TURNS + 2 * W5_PHOTOS
+                          + MEM_PHOTOS, seed * 1000)
+    print(f"inputs: {len(photos)} distinct {w.PHOTO_SIZE[0]}x{w.PHOTO_SIZE[1]} JPEGs, mean "
+          f"{statistics.mean(len(p) * 3 // 4 for p in photos) / 1e6:.2f} MB "
+          f"({time.monotonic() - t0:.0f} s)", flush=True)
+    w2, rest = photos[:W2_PHOTOS], photos[W2_PHOTOS:]
+    w3 = [rest[i * W3_TURNS:(i + 1) * W3_TURNS] for i in range(W3_CONVERSATIONS)]
+    rest = rest[W3_CONVERSATIONS * W3_TURNS:]
+    w5, mem = [rest[:W5_PHOTOS], rest[W5_PHOTOS:2 * W5_PHOTOS]], rest[2 * W5_PHOTOS:]
+    out: dict = {name: {} for name in pair}
+
+    # Warm-up: the first request of a process pays one-off costs on both sides.
+    warm = w.small_image_urls(sources, 1, seed + 500)
+    for url in pair.values():
+        run(w.burst(url, model, warm))
+
+    # W4 first, while both servers are idle: a burst as large as the engine ceiling, twice
+    # (ours, raw, raw, ours) with distinct images; the makespan is the mean of the two.
+    ceiling = run_json(ours + "/admin/autotuner")["config"]["ceiling"]
+    for k, order in enumerate((("ours", "raw"), ("raw", "ours"))):
+        images = w.small_image_urls(sources, ceiling, seed + 100 + k * ceiling)
+        for name in order:
+            results, makespan = run(w.burst(pair[name], model, images))
+            w4 = out[name].setdefault("w4", {"n": ceiling, "makespans_s": [], "non200": 0})
+            w4["makespans_s"].append(makespan)
+            w4["non200"] += sum(1 for r in results if not r.ok)
+    for name in pair:
+        out[name]["w4"]["makespan_s"] = statistics.mean(out[name]["w4"]["makespans_s"])
+    print(f"W4 burst of {ceiling} (x2): " + ", ".join(
+        f"{n} {out[n]['w4']['makespan_s']:.2f} s non-200 {out[n]['w4']['non200']}"
+        for n in pair), flush=True)
+
+    # W1: vLLM's serving benchmark per kind and concurrency, in segments of distinct prompts
+    # whose order of sides alternates (A B B A ...); sequential joins the c=16 cells.
+    out["sequential"] = {}
+    for kind, per_segment in W1_PROMPTS.items():
+        for c in W1_CONCURRENCIES:
+            names = ["ours", "raw", *(["sequential"] if c == 16 else [])]
+            runs: dict[str, list[dict]] = {n: [] for n in names}
+            segments = 2 if per_segment[c] >= 64 else 4
+            for k in range(segments):
+                segment_seed = seed * 100_000 + c * 100 + k * 10 + (5 if kind == "image" else 0)
+                for name in (names if k % 2 == 0 else names[::-1]):
+                    url = sides[name].server.base_url
+                    runs[name].append(w.serving_benchmark(
+                        url, model_dir(), model, kind, c, per_segment[c], segment_seed, log))
+            for name in names:
+                out[name].setdefault("w1", {}).setdefault(kind, {})[str(c)] = w.pool_runs(
+                    runs[name])
+            print(f"W1 {kind} c={c}: " + ", ".join(
+                f"{n} {out[n]['w1'][kind][str(c)]['request_throughput']:.2f} req/s TTFT p50 "
+                f"{out[n]['w1'][kind][str(c)]['median_ttft_ms']:.0f} ms" for n in names),
+                flush=True)
+
+    # W2: distinct phone photos, one at a time.
+    for part, order in zip(halves(w2), (("ours", "raw"), ("raw", "ours"))):
+        for name in order:
+            res = run(w.photo_ttft(pair[name], model, part))
+            out[name].setdefault("w2_ttft_s", []).extend(_ttfts(res))
+    print("W2 photo TTFT p50: " + ", ".join(
+        f"{n} {statistics.median(out[n]['w2_ttft_s']):.3f} s" for n in pair), flush=True)
+
+    # Memory: peak RSS of each server's process tree, photos 4 at a time.
+    for name in ("raw", "ours"):
+        side = sides[name].server
+        with w.RssSampler(side.proc.pid) as sampler:
+            idle = sampler.peak_bytes
+            res = run(w.photos_concurrently(pair[name], model, mem))
+        out[name]["memory"] = {"idle_bytes": idle, "peak_bytes": sampler.peak_bytes,
+                               "ok": sum(r.ok for r in res)}
+    print("memory peak RSS: " + ", ".join(
+        f"{n} {out[n]['memory']['peak_bytes'] / 2**20:.0f} MiB" for n in pair), flush=True)
+
+    # W3: multi-turn conversations re-sending every earlier image.
+    for part, order in zip(halves(w3), (("ours", "raw"), ("raw", "ours"))):
+        for name in order:
+            for turns in run(w.multiturn(pair[name], model, part)):
+                out[name].setdefault("w3_ttft_s", []).append(_ttfts(turns))
+    print("W3 multi-turn TTFT p50 by turn: " + ", ".join(
+        f"{n} " + "/".join(f"{statistics.median(t):.2f}" for t in zip(*out[n]["w3_ttft_s"]))
+        for n in pair), flush=True)
+
+    # W5: ITL of 4 running text streams while photos arrive (two repeats, order swapped).
+    for photos_k, order in zip(w5, (("ours", "raw"), ("raw", "ours"))):
+        for name in order:
+            texts, shots = run(w.itl_under_photos(pair[name], model, photos_k))
+            out[name].setdefault("w5_itls_s", []).extend(i for r in texts for i in r.itls_s)
+            out[name].setdefault("w5_failed", 0)
+            out[name]["w5_failed"] += sum(not r.ok for r in [*texts, *shots])
+    print("W5 ITL p99 under photos: " + ", ".join(
+        f"{n} {percentile(out[n]['w5_itls_s'], 99) * 1000:.0f} ms" for n in pair), flush=True)
+    return out
+
+
+def run_json(url: str) -> dict:
+    import httpx
+
+    return httpx.get(url, timeout=10).json()
+
+
+def _ttfts(results: list[w.StreamResult]) -> list[float]:
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} request(s) failed: {bad[0].status} {bad[0].error}")
+    return [r.ttft_s for r in results]
+
+
+def summarize(m: dict) -> dict:
+    """The ratios of the last line, and the ours/raw ratio of each W1 cell."""
+    o, r = m["ours"], m["raw"]
+    cells = [(kind, str(c)) for kind in W1_PROMPTS for c in W1_CONCURRENCIES]
+
+    def cell_ratio(key: str) -> dict[str, float]:
+        return {f"{k} c={c}": o["w1"][k][c][key] / r["w1"][k][c][key] for k, c in cells}
+
+    ttft, thr = cell_ratio("median_ttft_ms"), cell_ratio("request_throughput")
+    med = statistics.median
+    ratios = {
+        "ttft_p50": max(ttft.values()),
+        "throughput": min(thr.values()),
+        "photo_ttft": med(o["w2_ttft_s"]) / med(r["w2_ttft_s"]),
+        "multiturn_ttft": med(_flat(o["w3_ttft_s"])) / med(_flat(r["w3_ttft_s"])),
+        "burst_makespan": o["w4"]["makespan_s"] / r["w4"]["makespan_s"],
+        "itl_p99": percentile(o["w5_itls_s"], 99) / percentile(r["w5_itls_s"], 99),
+        "rss_peak": o["memory"]["peak_bytes"] / r["memory"]["peak_bytes"],
+        "burst_non200": o["w4"]["non200"],
+        "ours/sequential throughput@16": (o["w1"]["text"]["16"]["request_throughput"]
+                                          / m["sequential"]["w1"]["text"]["16"]
+                                          ["request_throughput"]),
+    }
+    return {"ratios": ratios, "ttft_by_cell": ttft, "throughput_by_cell": thr}
+
+
+def _flat(conversations: list[list[float]]) -> list[float]:
+    return [t for turns in conversations for t in turns]
+
+
+def met(ratios: dict) -> dict[str, bool]:
+    """Whether each target holds (``burst_non200`` must be 0)."""
+    ok = {k: (ratios[k] >= lim if higher else ratios[k] <= lim)
+          for k, (lim, higher) in TARGETS.items()}
+    ok["burst_non200"] = ratios["burst_non200"] == 0
+    return ok
+
+
+def last_line(ratios: dict) -> str:
+    """The one line ``make bench`` ends with."""
+    r = ratios
+    return ("ratios ours/raw " + " ".join(
+        f"{k}={r[k]:.2f}" for k in ("ttft_p50", "throughput", "photo_ttft", "multiturn_ttft",
+                                    "burst_makespan", "itl_p99", "rss_peak"))
+        + f" burst_non200={r['burst_non200']} ours/sequential "
+        f"throughput@16={r['ours/sequential throughput@16']:.2f}")
+
+
+def table(m: dict, s: dict) -> str:
+    """The markdown table of the run (also the README's benchmark table)."""
+    o, r, q = m["ours"], m["raw"], s["ratios"]
+    ok = met(q)
+    med = statistics.median
+    rows = []
+    for kind in W1_PROMPTS:
+        for c in W1_CONCURRENCIES:
+            a, b, cell = o["w1"][kind][str(c)], r["w1"][kind][str(c)], f"{kind} c={c}"
+            rows += [
+                (f"W1 {cell}: requests/s", f"{b['request_throughput']:.2f}",
+                 f"{a['request_throughput']:.2f}", s["throughput_by_cell"][cell]),
+                (f"W1 {cell}: output tokens/s", f"{b['output_throughput']:.0f}",
+                 f"{a['output_throughput']:.0f}",
+                 a["output_throughput"] / b["output_throughput"]),
+                (f"W1 {cell}: TTFT p50 / p99 (ms)",
+                 f"{b['median_ttft_ms']:.0f} / {b['p99_ttft_ms']:.0f}",
+                 f"{a['median_ttft_ms']:.0f} / {a['p99_ttft_ms']:.0f}", s["ttft_by_cell"][cell]),
+                (f"W1 {cell}: ITL p50 / p99 (ms)",
+                 f"{b['median_itl_ms']:.1f} / {b['p99_itl_ms']:.1f}",
+                 f"{a['median_itl_ms']:.1f} / {a['p99_itl_ms']:.1f}",
+                 a["p99_itl_ms"] / b["p99_itl_ms"])]
+    rows += [
+        ("W2 12 MP photo: TTFT p50 (s)", f"{med(r['w2_ttft_s']):.3f}",
+         f"{med(o['w2_ttft_s']):.3f}", q["photo_ttft"]),
+        *[(f"W3 multi-turn, turn {k + 1} ({k + 1} photos): TTFT p50 (s)", f"{med(b):.3f}",
+           f"{med(a):.3f}", med(a) / med(b))
+          for k, (a, b) in enumerate(zip(zip(*o["w3_ttft_s"]), zip(*r["w3_ttft_s"])))],
+        ("W3 all turns: TTFT p50 (s)", f"{med(_flat(r['w3_ttft_s'])):.3f}",
+         f"{med(_flat(o['w3_ttft_s'])):.3f}", q["multiturn_ttft"]),
+        (f"W4 burst of {o['w4']['n']} at idle: makespan (s), non-200",
+         f"{r['w4']['makespan_s']:.2f}, {r['w4']['non200']}",
+         f"{o['w4']['makespan_s']:.2f}, {o['w4']['non200']}", q["burst_makespan"]),
+        ("W5 ITL p99 of 4 streams while photos arrive (ms)",
+         f"{percentile(r['w5_itls_s'], 99) * 1000:.0f}",
+         f"{percentile(o['w5_itls_s'], 99) * 1000:.0f}", q["itl_p99"]),
+        ("Peak RSS of the server tree, photos 4 at a time (MiB)",
+         f"{r['memory']['peak_bytes'] / 2**20:.0f}", f"{o['memory']['peak_bytes'] / 2**20:.0f}",
+         q["rss_peak"]),
+        *[(f"W1 {kind} c=16 requests/s: sequential (ours at limit 1) vs ours",
+           f"{m['sequential']['w1'][kind]['16']['request_throughput']:.2f} (sequential)",
+           f"{o['w1'][kind]['16']['request_throughput']:.2f}",
+           o["w1"][kind]["16"]["request_throughput"]
+           / m["sequential"]["w1"][kind]["16"]["request_throughput"]) for kind in W1_PROMPTS],
+    ]
+    lines = ["| workload | raw vLLM | ours | ratio |", "|---|---|---|---|"]
+    lines += [f"| {name} | {b} | {a} | {x:.2f} |" for name, b, a, x in rows]
+    verdict = ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in ok.items())
+    return "\n".join(lines) + f"\n\nTargets: {verdict}.\n"
+
+
+def plot(ratios: dict, path: Path) -> bool:
+    """``bench.png``: each ratio as a bar, its target as a tick. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [k for k in TARGETS if k != "ours/sequential throughput@16"]
+    ok = met(ratios)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar(names, [ratios[k] for k in names],
+           color=["tab:green" if ok[k] else "tab:red" for k in names])
+    ax.scatter(names, [TARGETS[k][0] for k in names], marker="_", s=900, color="black",
+               label="target (throughput: at least; others: at most)", zorder=3)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_ylabel("ours / raw vLLM")
+    ax.set_title(f"make bench: our stack against raw vLLM (ours/sequential at c=16: "
+                 f"{ratios['ours/sequential throughput@16']:.1f}x)")
+    ax.legend(loc="upper right")
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def update_readme(md: str, readme: Path = ROOT / "README.md") -> bool:
+    """Replace the README's table between the ``make-bench`` markers. False if absent."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_BEGIN}\n{md}{README_END}{tail}")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-readme", action="store_true",
+                        help="do not copy the table into README.md")
+    args = parser.parse_args(argv)
+    from serve.engine import apply_engine_env
+    from serve.settings import Settings
+
+    apply_engine_env(Settings())  # the benchmark client imports vLLM too
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    sides: dict[str, Side] = {}
+    try:
+        start_sides(args.out, sides)
+        print("servers ready: " + ", ".join(
+            f"{s.name} {s.server.ready_s:.0f} s" for s in sides.values()), flush=True)
+        model = run_json(sides["ours"].server.base_url + "/v1/models")["data"][0]["id"]
+        with open(args.out / "logs" / "vllm-bench.log", "w") as log:
+            measurements = measure(sides, model, args.seed, log)
+    finally:
+        for side in sides.values():
+            stop_server(side.server)
+    summary = summarize(measurements)
+    md = table(measurements, summary)
+    (args.out / "bench.json").write_text(json.dumps(
+        {"measurements": measurements, "summary": summary, "met": met(summary["ratios"]),
+         "seconds": time.monotonic() - t0}, indent=1, default=str))
+    (args.out / "bench.md").write_text(md)
+    plotted = plot(summary["ratios"], args.out / "bench.png")
+    print()
+    print(md)
+    if not args.no_readme and update_readme(md):
+        print("README.md: benchmark table updated")
+    print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if plotted else "")
+          + f" in {time.monotonic() - t0:.0f} s")
+    print(last_line(summary["ratios"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

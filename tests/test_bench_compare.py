@@ -1,0 +1,63 @@
+"""``make bench``'s report: the last line's contract, targets and the README table (pure)."""
+
+from __future__ import annotations
+
+import re
+
+from bench import compare
+from bench.workloads import percentile, pool_runs
+
+
+def cell(rps: float, ttft_ms: float) -> dict:
+    return {"request_throughput": rps, "output_throughput": rps * 128,
+            "median_ttft_ms": ttft_ms, "p99_ttft_ms": 2 * ttft_ms, "median_itl_ms": 3.0,
+            "p99_itl_ms": 9.0, "completed": 10, "failed": 0, "duration": 10 / rps}
+
+
+def side(rps: float, ttft_ms: float, photo_s: float, non200: int = 0) -> dict:
+    w1 = {k: {str(c): cell(rps * (2 if k == "text" else 1), ttft_ms)
+              for c in compare.W1_CONCURRENCIES} for k in compare.W1_PROMPTS}
+    return {"w1": w1, "w2_ttft_s": [photo_s] * 3, "w3_ttft_s": [[photo_s] * 4] * 2,
+            "w4": {"n": 32, "makespan_s": 10.0, "non200": non200},
+            "w5_itls_s": [0.01] * 99 + [0.05], "memory": {"peak_bytes": 3 << 30}}
+
+
+def test_last_line_and_targets():
+    m = {"ours": side(10.0, 100.0, 0.3), "raw": side(10.0, 100.0, 0.6),
+         "sequential": {"w1": {k: {"16": cell(1.0, 50.0)} for k in compare.W1_PROMPTS}}}
+    summary = compare.summarize(m)
+    line = compare.last_line(summary["ratios"])
+    assert re.fullmatch(
+        r"ratios ours/raw ttft_p50=1\.00 throughput=1\.00 photo_ttft=0\.50 "
+        r"multiturn_ttft=0\.50 burst_makespan=1\.00 itl_p99=1\.00 rss_peak=1\.00 "
+        r"burst_non200=0 ours/sequential throughput@16=20\.00", line), line
+    assert all(compare.met(summary["ratios"]).values())
+    m["ours"]["w4"]["non200"] = 3
+    m["ours"]["w1"]["image"]["64"]["request_throughput"] = 9.0  # 0.90 of raw: missed
+    ratios = compare.summarize(m)["ratios"]
+    ok = compare.met(ratios)
+    assert not ok["burst_non200"] and not ok["throughput"] and ratios["throughput"] == 0.9
+    assert "throughput MISSED" in compare.table(m, compare.summarize(m))
+
+
+def test_readme_table_is_replaced_between_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{compare.README_BEGIN}\nold\n{compare.README_END}\nb\n")
+    assert compare.update_readme("| new |\n", readme)
+    assert readme.read_text() == f"a\n{compare.README_BEGIN}\n| new |\n{compare.README_END}\nb\n"
+    plain = tmp_path / "other.md"
+    plain.write_text("no markers")
+    assert not compare.update_readme("x", plain) and plain.read_text() == "no markers"
+
+
+def test_pooled_w1_cell_and_percentile():
+    runs = [{"duration": 2.0, "completed": 4, "failed": 0, "total_output_tokens": 400,
+             "ttfts": [0.1, 0.2, 0.3, 0.4], "errors": ["", "", "", ""],
+             "itls": [[0.01, 0.02]] * 4},
+            {"duration": 2.0, "completed": 3, "failed": 1, "total_output_tokens": 300,
+             "ttfts": [0.5, 0.6, 0.7, 9.9], "errors": ["", "", "", "boom"],
+             "itls": [[0.03]] * 3 + [[]]}]
+    pooled = pool_runs(runs)
+    assert pooled["request_throughput"] == 7 / 4 and pooled["output_throughput"] == 700 / 4
+    assert pooled["median_ttft_ms"] == 400.0  # 7 successful TTFTs; the failed one is left out
+    assert percentile([1, 2, 3, 4], 50) == 2 and percentile([5], 99) == 5

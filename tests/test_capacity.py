@@ -1,0 +1,45 @@
+"""KV-safe capacity arithmetic (``serve.admission.capacity``), against the token formula."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve.admission.capacity import (TEXT_TOKENS_PER_REQUEST, kv_safe_seqs, max_image_tokens,
+                                      tokens_per_request)
+from serve.intake.budget import image_tokens
+
+
+def test_max_image_tokens_is_the_worst_aspect_of_the_hd_transform():
+    assert max_image_tokens(1) == image_tokens(4032, 3024, 1) == 313
+    assert max_image_tokens(16) == image_tokens(336, 16 * 336, 16) == 2653  # a 1:16 strip
+    for crops in (1, 2, 4, 9, 16):
+        sizes = [(w, h) for w in range(100, 6000, 97) for h in (50, 336, 1000, 3000, 5376)]
+        assert max(image_tokens(w, h, crops) for w, h in sizes) <= max_image_tokens(crops)
+    with pytest.raises(ValueError):
+        max_image_tokens(0)
+
+
+def test_kv_safe_seqs_divides_and_clamps():
+    per = tokens_per_request(16)
+    assert per == 2653 + TEXT_TOKENS_PER_REQUEST
+    assert kv_safe_seqs(10 * per + per // 2, 16, 256) == 10
+    assert kv_safe_seqs(10**9, 1, 32) == 32  # the CPU tiny model: the ceiling binds
+    assert kv_safe_seqs(0, 16, 256) == 1
+
+
+def test_auto_starts_at_the_kv_safe_capacity_unless_a_limit_is_set():
+    from serve.admission import Admission
+    from serve.settings import Settings
+
+    per = tokens_per_request(1)
+    auto = Admission.from_settings(Settings(device="cpu"))
+    assert auto.limiter.limit == 32  # the ceiling until the engine reports its KV cache
+    assert auto.apply_kv_capacity(Settings(device="cpu"), 5 * per) == 5
+    assert auto.limiter.limit == auto.autotuner.controller.start == 5
+    assert auto.apply_kv_capacity(Settings(device="cpu"), None) is None  # unknown: unchanged
+    explicit = Settings(device="cpu", admission_limit=3)
+    pinned = Admission.from_settings(explicit)
+    assert pinned.apply_kv_capacity(explicit, 5 * per) == 5 and pinned.limiter.limit == 3
+    static = Settings(device="cpu", autotune="static")
+    fixed = Admission.from_settings(static)
+    assert fixed.apply_kv_capacity(static, 5 * per) == 5 and fixed.limiter.limit == 32
