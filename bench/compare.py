@@ -25,7 +25,9 @@ Output: ``OUT/bench.json`` (every number), ``OUT/bench.md`` (the table), ``OUT/b
 itl_p99=X rss_peak=X burst_non200=N ours/sequential throughput@16=X
 
 Each ours/raw ratio is the worst over W1's concurrencies where several apply (the highest for
-latencies, the lowest for throughput).
+latencies, the lowest for throughput); a W1 cell's ratio is the median of the ratios of its
+back-to-back segment pairs (:func:`paired_ratio`), since this machine's speed drifts by up
+to ~15 % between identical runs a minute apart.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from bench.cpu_engine import (IMAGES_DIR, ROOT, EngineServer, ensure_tiny_model,
 
 #: W1's prompts per segment, by kind and concurrency. A cell runs 4 segments per side (2 when a
 #: segment holds 64 prompts), the order of the sides alternating: ~5 min in all on this CPU.
-W1_PROMPTS = {"text": {1: 8, 4: 16, 16: 24, 64: 64}, "image": {1: 4, 4: 8, 16: 12, 64: 64}}
+W1_PROMPTS = {"text": {1: 12, 4: 24, 16: 32, 64: 64}, "image": {1: 4, 4: 8, 16: 12, 64: 64}}
 W1_CONCURRENCIES = (1, 4, 16, 64)
 #: Photos per workload: W2 (one at a time), W3 (conversations x turns), W5 (per repeat),
 #: memory (4 in flight).
@@ -164,8 +166,9 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
                     runs[name].append(w.serving_benchmark(
                         url, model_dir(), model, kind, c, per_segment[c], segment_seed, log))
             for name in names:
-                out[name].setdefault("w1", {}).setdefault(kind, {})[str(c)] = w.pool_runs(
-                    runs[name])
+                pooled = w.pool_runs(runs[name])
+                pooled["segments"] = [w.pool_runs([one]) for one in runs[name]]
+                out[name].setdefault("w1", {}).setdefault(kind, {})[str(c)] = pooled
             print(f"W1 {kind} c={c}: " + ", ".join(
                 f"{n} {out[n]['w1'][kind][str(c)]['request_throughput']:.2f} req/s TTFT p50 "
                 f"{out[n]['w1'][kind][str(c)]['median_ttft_ms']:.0f} ms" for n in names),
@@ -225,12 +228,14 @@ def _ttfts(results: list[w.StreamResult]) -> list[float]:
 
 
 def summarize(m: dict) -> dict:
-    """The ratios of the last line, and the ours/raw ratio of each W1 cell."""
+    """The ratios of the last line, and the ours/raw ratio of each W1 cell
+    (:func:`paired_ratio`)."""
     o, r = m["ours"], m["raw"]
     cells = [(kind, str(c)) for kind in W1_PROMPTS for c in W1_CONCURRENCIES]
 
     def cell_ratio(key: str) -> dict[str, float]:
-        return {f"{k} c={c}": o["w1"][k][c][key] / r["w1"][k][c][key] for k, c in cells}
+        return {f"{k} c={c}": paired_ratio(o["w1"][k][c], r["w1"][k][c], key)
+                for k, c in cells}
 
     ttft, thr = cell_ratio("median_ttft_ms"), cell_ratio("request_throughput")
     med = statistics.median
@@ -248,6 +253,16 @@ def summarize(m: dict) -> dict:
                                           ["request_throughput"]),
     }
     return {"ratios": ratios, "ttft_by_cell": ttft, "throughput_by_cell": thr}
+
+
+def paired_ratio(ours: dict, raw: dict, key: str) -> float:
+    """ours/raw of one W1 cell: the median over its segments of the ratio of the two sides'
+    runs of the same prompts, back to back (a slow spell of the machine then skews one pair,
+    not the cell); the pooled ratio where segments are not recorded."""
+    pairs = list(zip(ours.get("segments", []), raw.get("segments", [])))
+    if not pairs:
+        return ours[key] / raw[key]
+    return statistics.median(a[key] / b[key] for a, b in pairs)
 
 
 def _flat(conversations: list[list[float]]) -> list[float]:

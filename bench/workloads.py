@@ -278,7 +278,7 @@ async def photos_concurrently(base_url: str, model: str, photos: list[str],
 
 # --- W1: vLLM's own serving benchmark -------------------------------------------------------
 #: W1's two kinds of chat, both from vLLM's ``random-mm`` dataset over ``openai-chat``: ~64
-#: prompt tokens and 128 answer tokens (fixed: random-mm ignores EOS); ``image`` chats carry one
+#: prompt tokens and 64 answer tokens (fixed: random-mm ignores EOS); ``image`` chats carry one
 #: random 256x256 image each (vLLM's generator), ``text`` chats none.
 W1_KINDS = {
     "text": ("--random-mm-base-items-per-request", "0",
@@ -289,7 +289,7 @@ W1_KINDS = {
               "--random-mm-bucket-config", "{(256, 256, 1): 1.0}"),
 }
 W1_COMMON = ("--dataset-name", "random-mm", "--random-input-len", "64",
-             "--random-output-len", "128", "--random-range-ratio", "0.0")
+             "--random-output-len", "64", "--random-range-ratio", "0.0")
 
 
 def serving_benchmark(base_url: str, model_dir: Path, model_name: str, kind: str,

@@ -61,3 +61,12 @@ def test_pooled_w1_cell_and_percentile():
     assert pooled["request_throughput"] == 7 / 4 and pooled["output_throughput"] == 700 / 4
     assert pooled["median_ttft_ms"] == 400.0  # 7 successful TTFTs; the failed one is left out
     assert percentile([1, 2, 3, 4], 50) == 2 and percentile([5], 99) == 5
+
+
+def test_paired_ratio_is_robust_to_one_slow_segment():
+    ours = {"request_throughput": 1.0, "segments": [{"r": 10.0}, {"r": 9.0}, {"r": 5.0},
+                                                     {"r": 10.0}]}
+    raw = {"request_throughput": 2.0, "segments": [{"r": 10.0}, {"r": 10.0}, {"r": 10.0},
+                                                    {"r": 10.0}]}
+    assert compare.paired_ratio(ours, raw, "r") == 0.95  # median of 1.0, 0.9, 0.5, 1.0
+    assert compare.paired_ratio(ours, raw, "request_throughput") == 0.5  # no segments: pooled
