@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic_settings import CliApp
 
+from serve.routes import RouteTable
 from serve.settings import REAL_MODEL_ID, Settings
 
 log = logging.getLogger("serve")
@@ -30,6 +31,25 @@ def check_model_dir(settings: Settings) -> str | None:
     return None
 
 
+def check_step_budget(settings: Settings) -> str | None:
+    """A user-facing message when the largest image a request may carry cannot fit one engine
+    step, else ``None``.
+
+    vLLM encodes an image's tokens in a single step (they are not chunked), so an image above
+    ``max_num_batched_tokens`` fails inside vLLM, mid-stream when streaming. Refused at start.
+    """
+    from serve.admission.capacity import max_image_tokens
+
+    s = settings.resolved()
+    largest = max_image_tokens(s.max_num_crops)
+    if s.max_images_per_prompt > 0 and largest > s.max_num_batched_tokens:
+        return (f"--max-num-batched-tokens {s.max_num_batched_tokens} is smaller than the "
+                f"largest image --max-num-crops {s.max_num_crops} allows ({largest} tokens; one "
+                f"image is encoded in one engine step). Raise --max-num-batched-tokens to at "
+                f"least {largest} or lower --max-num-crops.")
+    return None
+
+
 def configure_logging(level: str) -> None:
     """Our ``serve.*`` loggers get their own handler: vLLM re-applies its logging dictConfig
     while the engine starts, which resets the root logger's handlers."""
@@ -43,7 +63,11 @@ def configure_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, then serve until SIGINT/SIGTERM. Returns the process exit status."""
     settings = CliApp.run(Settings, cli_args=argv if argv is not None else sys.argv[1:])
-    problem = check_model_dir(settings)
+    problem = check_model_dir(settings) or check_step_budget(settings)
+    try:
+        RouteTable(settings.open_routes)
+    except ValueError as exc:
+        problem = str(exc)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

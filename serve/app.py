@@ -13,8 +13,12 @@ Routes owned here:
 - ``GET /metrics``: Prometheus text format: vLLM's ``vllm:*`` series and ours, one registry.
 - ``GET /admin/autotuner``: read-only JSON: live limit, signals, last decisions.
 - ``GET /limits``: the request limits clients must respect (image bytes/pixels/count/formats).
+- ``GET /admin/routes``: every route of vLLM's app with its policy from ``serve.routes``.
 
-Generation routes pass through admission control (``serve.admission``) before vLLM.
+Every other path is looked up in the route table (``serve.routes``): generation routes take
+the full request path (body limit -> intake -> admission -> stream guard -> vLLM), read-only
+vLLM routes are served as is, and everything else (administration, scaling, batch, token-level
+and, unless ``--open-routes``, the routes without intake) is 404.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from serve.asgi import BodyLimitMiddleware
 from serve.auth import ApiKeys, unauthorized
 from serve.errors import openai_error
 from serve.intake import Intake
+from serve.routes import CLOSED, OPTIONAL, RouteTable
 from serve.settings import Settings
 from serve.streamguard import StreamGuardMiddleware
 
@@ -69,6 +74,8 @@ class ServerState:
     openai_app: ASGIApp | None = None
     error: str | None = None
     started_at: float = field(default_factory=time.monotonic)
+    #: (path template, methods) of every route of vLLM's app, once built.
+    vllm_routes: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     ready_after_s: float | None = None
 
     def engine_alive(self) -> bool:
@@ -94,6 +101,7 @@ class Gateway:
         self.admission = Admission.from_settings(settings)
         self.intake = Intake.from_settings(settings)
         self.keys = ApiKeys.load(settings.api_keys, settings.api_key_file)
+        self.routes = RouteTable(settings.open_routes)
         self._open_paths = {"/health", "/ready"} | (
             set() if settings.metrics_require_auth else {"/metrics"})
         self.own = Starlette(
@@ -103,6 +111,7 @@ class Gateway:
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/admin/autotuner", self.autotuner_state, methods=["GET"]),
                 Route("/limits", self.limits, methods=["GET"]),
+                Route("/admin/routes", self.route_table, methods=["GET"]),
             ],
             lifespan=self._lifespan,
         )
@@ -120,6 +129,9 @@ class Gateway:
                 return
         if scope.get("path") in self._own_paths:
             await self.own(scope, receive, send)
+            return
+        if self.routes.policy(scope.get("path", "")) in (OPTIONAL, CLOSED):
+            await _closed(scope, receive, send)
             return
         inner = self.state.openai_app
         if inner is None or self.state.phase is not Phase.READY:
@@ -182,6 +194,14 @@ class Gateway:
             "max_num_crops": s.max_num_crops,
         })
 
+    async def route_table(self, request: Request) -> Response:
+        """Every route of vLLM's app as it runs here, with its policy (``serve.routes``), and
+        the ones the table does not classify (closed, and a test fails on them)."""
+        routes = [{"path": path, "methods": list(methods), "policy": self.routes.policy(path)}
+                  for path, methods in self.state.vllm_routes]
+        return JSONResponse({"routes": routes, "unclassified": self.routes.unclassified(
+            path for path, _ in self.state.vllm_routes)})
+
     async def autotuner_state(self, request: Request) -> Response:
         """Read-only autotuner state: limit, last signals, recent decisions."""
         return JSONResponse(self.admission.autotuner.state())
@@ -210,6 +230,11 @@ class Gateway:
             self._exit_stack.callback(engine.shutdown)
             self.state.engine = engine
             app = await engine_mod.build_openai_app(engine, self.settings)
+            self.state.vllm_routes = sorted(
+                {(r.path, tuple(sorted(getattr(r, "methods", None) or ()))) for r in app.routes})
+            unknown = self.routes.unclassified(path for path, _ in self.state.vllm_routes)
+            if unknown:
+                log.warning("vLLM routes not in serve/routes.py, closed: %s", ", ".join(unknown))
             # Run vLLM's app lifespan (its periodic stats logging) as vLLM's server would.
             await self._exit_stack.enter_async_context(app.router.lifespan_context(app))
             await self.intake.load_budget(engine, self.settings)
@@ -240,6 +265,17 @@ class Gateway:
         log.info("ready in %.1f s: model %r at http://%s:%d/v1", self.state.ready_after_s,
                  self.settings.model_name, self.settings.host, self.settings.port)
         log.info("try: %s   (an image chat example is in the README)", self.curl_example())
+
+
+async def _closed(scope: Scope, receive: Receive, send: Send) -> None:
+    """A route the route table closes (``serve.routes``): 404, as for a path that does not
+    exist (a websocket is closed)."""
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    if scope["type"] == "http":
+        await openai_error(404, f"{scope.get('path')} is not served here",
+                           type_="not_found_error")(scope, receive, send)
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -190,7 +190,8 @@ class Settings(BaseSettings):
         "object store).",
     )
     image_url_timeout_s: float = Field(
-        10.0, gt=0, description="Read timeout of an image URL fetch, seconds (connect: 3 s)."
+        10.0, gt=0, description="Deadline of a whole image URL fetch (redirects and body "
+        "included) and its read timeout, seconds (connect: 3 s)."
     )
     image_url_max_redirects: int = Field(
         3, ge=0, description="Redirect hops of an image URL, each re-checked."
@@ -202,6 +203,12 @@ class Settings(BaseSettings):
     )
     api_key_file: Path | None = Field(
         None, description="File with one API key per line (# comments), added to --api-keys."
+    )
+    open_routes: list[str] = Field(
+        [],
+        description="vLLM routes closed by default to serve as vLLM answers them, without "
+        "intake or admission: /v1/responses, /v1/messages, /invocations, /tokenize, "
+        "/detokenize, the render routes, /docs (see serve/routes.py).",
     )
     metrics_require_auth: bool = Field(
         False, description="Require an API key for /metrics too (/health, /ready stay open)."

@@ -10,6 +10,9 @@ vLLM's app:
   becomes one error event.
 - An exception raised by the app after the stream started becomes one error event.
 - A stream that ends without ``[DONE]`` and without an error gets one error event.
+
+Every ``text/event-stream`` response also gets ``Cache-Control: no-cache`` and
+``X-Accel-Buffering: no`` (:data:`SSE_HEADERS`).
 """
 
 from __future__ import annotations
@@ -91,6 +94,17 @@ class _Stream:
         await self.emit(event)
 
 
+#: Headers every ``text/event-stream`` response carries, so that nginx and other proxies pass
+#: events on at once instead of buffering them (nginx honours ``X-Accel-Buffering``).
+SSE_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
+
+
+def no_buffering(headers) -> list[tuple[bytes, bytes]]:
+    """``headers`` with :data:`SSE_HEADERS` set (replacing any earlier value)."""
+    names = {name for name, _ in SSE_HEADERS}
+    return [(k, v) for k, v in headers if k.lower() not in names] + list(SSE_HEADERS)
+
+
 class StreamGuardMiddleware:
     """Enforces the stream-error rule (module docstring) on ``text/event-stream`` responses."""
 
@@ -108,9 +122,10 @@ class StreamGuardMiddleware:
             nonlocal stream, finished
             if message["type"] == "http.response.start":
                 headers = dict(message.get("headers") or [])
-                if b"text/event-stream" in headers.get(b"content-type", b"") \
-                        and message.get("status") == 200:
-                    stream = _Stream(send)
+                if b"text/event-stream" in headers.get(b"content-type", b""):
+                    message = {**message, "headers": no_buffering(message.get("headers") or [])}
+                    if message.get("status") == 200:
+                        stream = _Stream(send)
                 await send(message)
             elif message["type"] == "http.response.body" and stream is not None:
                 await stream.feed(message.get("body", b""))

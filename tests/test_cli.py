@@ -60,3 +60,12 @@ print(json.dumps(out))
         assert device["max_num_seqs"] == [48, 48]
         for key, (ours, parsed) in device.items():
             assert ours == parsed, key
+
+
+def test_step_budget_smaller_than_the_largest_image_is_refused_at_start():
+    from tests.conftest import TINY_MODEL
+
+    res = run(sys.executable, "-m", "serve", "--model", str(TINY_MODEL),
+              "--max-num-batched-tokens", "64", "--max-num-crops", "16")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "--max-num-batched-tokens 64" in res.stderr and "--max-num-crops 16" in res.stderr

@@ -130,7 +130,9 @@ IMG = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     ({"messages": [msg([{"type": "text", "text": 3}])]}, "messages[0].content[0].text"),
     ({"messages": [msg([{"type": "image_url"}])]}, "messages[0].content[0].image_url"),
     ({"messages": [msg([IMG], role="assistant")]}, "messages[0].content[0]"),
-    ({"messages": [msg([IMG, IMG, IMG])]}, "messages"),
+    ({"messages": [msg([IMG, IMG, IMG])]}, "messages[0].content[2]"),
+    ({"messages": [msg([{"type": "image_url", "image_url": {"url": "data:x", "detail": "max"}}])]},
+     "messages[0].content[0].image_url.detail"),
     ({"messages": [msg("x")], "n": 2}, "n"),
     ({"messages": [msg("x")], "mm_processor_kwargs": {"num_crops": 17}},
      "mm_processor_kwargs.num_crops"),
@@ -243,3 +245,48 @@ async def test_guard_abort_and_exception_and_truncation_become_errors():
         assert sum('"error"' in e for e in events) == 1
         assert '"error"' in events[-1]
         assert not any('"finish_reason": "stop"' in e for e in events)
+
+
+@pytest.mark.parametrize("image_url", [{"url": "data:image/png;base64,AAAA", "detail": None},
+                                       {"url": "data:image/png;base64,AAAA", "detail": "low"},
+                                       {"url": "data:image/png;base64,AAAA"},
+                                       "data:image/png;base64,AAAA"])
+def test_accepted_image_url_shapes(image_url):
+    body = {"messages": [msg([{"type": "image_url", "image_url": image_url}])]}
+    request = parse_chat_request(body, LIMITS)
+    assert request.images[0].url == "data:image/png;base64,AAAA"
+
+
+async def test_image_url_fetch_has_an_overall_deadline():
+    """A server that answers 200 and then drips one byte at a time is cut at the deadline."""
+    import http.server
+    import threading
+    import time
+
+    from serve.intake.urls import fetch_image_url
+
+    class Drip(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(40):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.25)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    policy = UrlPolicy(enabled=True, allowlist=("127.0.0.1",),
+                       allowed_networks=(ipaddress.ip_network("127.0.0.1/32"),),
+                       max_bytes=10_000, read_timeout_s=5.0, total_timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(IntakeError) as err:
+        await fetch_image_url(f"http://127.0.0.1:{httpd.server_port}/drip.png", policy, "p")
+    elapsed = time.monotonic() - t0
+    httpd.shutdown()
+    assert err.value.status == 400 and "within 1 s" in err.value.message
+    assert elapsed < 3.0

@@ -40,6 +40,7 @@ class Intake:
                       allowed_networks=tuple(ipaddress.ip_network(n, strict=False)
                                              for n in s.image_url_allowed_networks),
                       max_bytes=s.max_image_bytes, read_timeout_s=s.image_url_timeout_s,
+                      total_timeout_s=s.image_url_timeout_s,
                       max_redirects=s.image_url_max_redirects),
             ImageCache(s.image_cache_bytes), s.num_crops)
 

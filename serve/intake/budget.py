@@ -139,8 +139,10 @@ class PromptBudget:
                               code="context_length_exceeded")
         if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) \
                 and count.total + max_tokens > self.max_model_len:
-            raise IntakeError(400, f"{detail} + max_tokens {max_tokens} = "
+            field = ("max_completion_tokens" if request.body.get("max_completion_tokens")
+                     else "max_tokens")
+            raise IntakeError(400, f"{detail} + {field} {max_tokens} = "
                               f"{count.total + max_tokens} exceeds max_model_len "
-                              f"{self.max_model_len}", "max_tokens",
+                              f"{self.max_model_len}", field,
                               code="context_length_exceeded")
         return count

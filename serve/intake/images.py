@@ -201,8 +201,8 @@ def _open_checked(raw: bytes, policy: ImagePolicy, param: str) -> Image.Image:
             image = Image.open(io.BytesIO(raw))  # header only: no pixel decoded yet
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
         # Pillow's own header check fired (its threshold is above max_pixels by default).
-        raise IntakeError(413, f"image has too many pixels ({exc}); the limit is "
-                          f"{policy.max_pixels} pixels", param, code="image_too_large") from None
+        raise IntakeError(413, f"image has more pixels than the limit of {policy.max_pixels} "
+                          "pixels", param, code="image_too_large") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         raise IntakeError(400, "image data is not a readable image (corrupt or unknown "
                           f"format; accepted: {', '.join(sorted(policy.formats))})",

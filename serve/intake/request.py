@@ -61,9 +61,12 @@ class ChatRequest:
     num_crops: int | None
 
     def set_image_url(self, ref: ImageRef, url: str) -> None:
+        """Point an image part at ``url`` (the prepared image); a ``detail: null`` (the
+        default, which vLLM's schema refuses) is dropped."""
         part = self.body["messages"][ref.message]["content"][ref.part]
-        part["image_url"] = {**part["image_url"], "url": url} if isinstance(
-            part["image_url"], dict) else {"url": url}
+        old = part["image_url"] if isinstance(part["image_url"], dict) else {}
+        part["image_url"] = {**{k: v for k, v in old.items()
+                                if not (k == "detail" and v is None)}, "url": url}
 
 
 def neutralise(text: str) -> str:
@@ -71,12 +74,22 @@ def neutralise(text: str) -> str:
     return text.replace(CONTROL_PREFIX, NEUTRALISED_PREFIX)
 
 
+#: Accepted values of ``image_url.detail`` (OpenAI's; Phi-3-vision's resolution is set by
+#: ``num_crops`` instead, so the value is accepted and has no effect). ``null``: the default.
+DETAILS = ("auto", "low", "high")
+
+
 def _image_url(part: dict, param: str) -> str:
+    """The URL of an ``image_url`` part: ``{"url": ..., "detail": ...}`` or a bare string."""
     value = part.get("image_url")
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
         raise IntakeError(400, "an image_url part needs image_url.url (a data: URL)",
                           f"{param}.image_url")
+    detail = value.get("detail") if isinstance(value, dict) else None
+    if detail is not None and detail not in DETAILS:
+        raise IntakeError(400, f"image_url.detail must be one of {', '.join(DETAILS)} or null; "
+                          f"got {detail!r}", f"{param}.image_url.detail")
     return url
 
 
@@ -156,6 +169,8 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> ChatRequest:
             raise IntakeError(400, "content must be a string or a list of parts (null is not "
                               "accepted)", f"messages[{i}].content")
     if len(images) > limits.max_images:
+        first_over = images[limits.max_images]
         raise IntakeError(400, f"{len(images)} images in one request; the limit is "
-                          f"{limits.max_images}", "messages")
+                          f"{limits.max_images} images per request",
+                          f"messages[{first_over.message}].content[{first_over.part}]")
     return ChatRequest(body, images, _check_num_crops(body, limits))

@@ -16,7 +16,8 @@ Rules (each hop of a redirect chain is checked again):
    ``Host`` header and TLS SNI carry the original name, and certificates are verified for it.
 5. Redirects are not followed blindly: each ``Location`` goes through rules 1-4, at most
    ``max_redirects`` times.
-6. The body is streamed with a byte cap (``max_bytes``) and connect/read timeouts.
+6. The body is streamed with a byte cap (``max_bytes``), connect/read timeouts and an overall
+   deadline (``total_timeout_s``).
 
 Sources: OWASP SSRF Prevention Cheat Sheet (allowlists, resolved-address checks, redirect
 handling); Python ``ipaddress`` for the address classes.
@@ -49,6 +50,7 @@ class UrlPolicy:
         allowed_networks: networks exempt from the public-address rule.
         max_bytes: largest body, bytes.
         connect_timeout_s / read_timeout_s: socket timeouts, seconds.
+        total_timeout_s: deadline of the whole fetch (redirects and body included), seconds.
         max_redirects: redirect hops, each re-checked.
     """
 
@@ -58,6 +60,7 @@ class UrlPolicy:
     max_bytes: int = 20 * 2**20
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 10.0
+    total_timeout_s: float = 10.0
     max_redirects: int = 3
 
 
@@ -146,11 +149,21 @@ def _pinned(url: str, ip: IPAddress, port: int) -> str:
 
 
 async def fetch_image_url(url: str, policy: UrlPolicy, param: str) -> bytes:
-    """Rules 1-6: the body of an allowed image URL.
+    """Rules 1-6: the body of an allowed image URL, within ``policy.total_timeout_s`` overall
+    (a server that answers and then drips one byte at a time cannot hold the request).
 
     Raises:
-        IntakeError: 400 refused or unreachable URL, 413 body over ``max_bytes``.
+        IntakeError: 400 refused, unreachable or too slow URL, 413 body over ``max_bytes``.
     """
+    try:
+        async with asyncio.timeout(policy.total_timeout_s):
+            return await _fetch(url, policy, param)
+    except TimeoutError:
+        raise IntakeError(400, f"image URL did not deliver within {policy.total_timeout_s:g} s",
+                          param) from None
+
+
+async def _fetch(url: str, policy: UrlPolicy, param: str) -> bytes:
     timeout = httpx.Timeout(policy.read_timeout_s, connect=policy.connect_timeout_s)
     async with httpx.AsyncClient(timeout=timeout, follow_redirects=False,
                                  trust_env=False) as client:
