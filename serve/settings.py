@@ -172,6 +172,12 @@ class Settings(BaseSettings):
     max_n: int = Field(
         1, ge=1, description="Most choices (n) per request; each is a full generation."
     )
+    default_max_tokens: int = Field(
+        2048, ge=1,
+        description="max_tokens of a chat request that sets neither max_tokens nor "
+        "max_completion_tokens, clamped to what max_model_len leaves after the prompt "
+        "(without it vLLM generates until the context is full).",
+    )
     max_num_crops: int = Field(
         16, ge=1, le=16,
         description="Highest per-request mm_processor_kwargs.num_crops a client may ask for.",

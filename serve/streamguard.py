@@ -10,6 +10,8 @@ vLLM's app:
   becomes one error event.
 - An exception raised by the app after the stream started becomes one error event.
 - A stream that ends without ``[DONE]`` and without an error gets one error event.
+- A chunk that carries nothing (an empty ``content`` delta with no role, no finish reason),
+  which vLLM sends after the role chunk when ``stop`` is set, is dropped.
 
 Every ``text/event-stream`` response also gets ``Cache-Control: no-cache`` and
 ``X-Accel-Buffering: no`` (:data:`SSE_HEADERS`).
@@ -31,6 +33,8 @@ ABNORMAL_FINISH = ("abort", "error")
 #: compact JSON, so ``"error"`` (key or finish reason) and ``"abort"`` appear verbatim, while a
 #: quote inside answer text is escaped (``\"error\"``) and cannot match.
 _MARKERS = tuple(f'"{word}"'.encode() for word in ABNORMAL_FINISH)
+#: Events holding any of these are parsed; all others pass through untouched.
+_PARSE_MARKERS = (*_MARKERS, b'"content":""')
 
 
 def error_event(message: str, type_: str = "server_error", status: int = 500) -> bytes:
@@ -73,7 +77,7 @@ class _Stream:
             self.closed = True
             await self.emit(event)
             return
-        if not any(marker in payload for marker in _MARKERS):
+        if not any(marker in payload for marker in _PARSE_MARKERS):
             await self.emit(event)  # an ordinary chunk: no JSON parse on the hot path
             return
         try:
@@ -91,7 +95,22 @@ class _Stream:
         if abnormal:
             await self.fail(f"generation ended abnormally (finish_reason={abnormal[0]!r})")
             return
+        if empty_delta(data):
+            return  # a chunk that carries nothing (vLLM sends one when `stop` is set)
         await self.emit(event)
+
+
+def empty_delta(data) -> bool:
+    """A chat chunk that carries nothing: every choice's delta is empty (``content: ""``, no
+    role, no tool calls), with no finish reason and no logprobs, and no usage."""
+    if not isinstance(data, dict) or data.get("usage") \
+            or data.get("object") != "chat.completion.chunk":
+        return False
+    choices = data.get("choices") or []
+    return bool(choices) and all(
+        isinstance(c, dict) and c.get("finish_reason") is None and not c.get("logprobs")
+        and not any(v not in (None, "", []) for v in (c.get("delta") or {}).values())
+        for c in choices)
 
 
 #: Headers every ``text/event-stream`` response carries, so that nginx and other proxies pass

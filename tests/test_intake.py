@@ -290,3 +290,18 @@ async def test_image_url_fetch_has_an_overall_deadline():
     httpd.shutdown()
     assert err.value.status == 400 and "within 1 s" in err.value.message
     assert elapsed < 3.0
+
+
+async def test_guard_drops_chunks_that_carry_nothing():
+    """An empty content delta after the role chunk (what vLLM can send when `stop` is set) is
+    dropped; the role chunk, text, the finish chunk and [DONE] pass."""
+    def chunk(delta, finish=None):
+        return ("data: " + json.dumps({"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish}]}, separators=(",", ":"))
+            + "\n\n").encode()
+
+    events = await run_guard([chunk({"role": "assistant", "content": ""}), chunk({"content": ""}),
+                              chunk({"content": "hi"}), chunk({"content": ""}, "stop"),
+                              b"data: [DONE]\n\n"])
+    assert len(events) == 4 and events[-1] == "data: [DONE]"
+    assert '"role":"assistant"' in events[0] and '"hi"' in events[1] and '"stop"' in events[2]

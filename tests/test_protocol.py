@@ -56,3 +56,51 @@ def test_pixel_cap_refusal_names_our_limit(server):
     assert r.status_code == 413
     message = r.json()["error"]["message"]
     assert str(limits["max_image_pixels"]) in message and "178956970" not in message
+
+
+def test_empty_delta_detection():
+    from serve.streamguard import empty_delta
+
+    def chunk(delta, finish=None, **extra):
+        return {"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+
+    assert empty_delta(chunk({"content": ""}))
+    assert not empty_delta(chunk({"role": "assistant", "content": ""}))
+    assert not empty_delta(chunk({"content": "a"}))
+    assert not empty_delta(chunk({"content": ""}, finish="stop"))
+    assert not empty_delta(chunk({"content": ""}, usage={"completion_tokens": 3}))
+    assert not empty_delta({"object": "chat.completion.chunk", "choices": []})
+
+
+async def test_requests_without_max_tokens_get_the_documented_default():
+    from transformers import AutoTokenizer
+
+    from serve.intake.budget import PromptBudget
+    from serve.intake.cache import ImageCache
+    from serve.intake.images import ImagePolicy
+    from serve.intake.middleware import IntakeMiddleware
+    from serve.intake.request import RequestLimits
+    from serve.intake.urls import UrlPolicy
+    from tests.conftest import ensure_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+
+    def intake(max_model_len: int) -> IntakeMiddleware:
+        return IntakeMiddleware(None, RequestLimits(max_images=4),
+                                ImagePolicy(2**20, 10**7, frozenset({"PNG"})),
+                                UrlPolicy(enabled=False),
+                                PromptBudget(tokenizer, max_model_len, 1), ImageCache(0),
+                                default_max_tokens=500)
+
+    import json
+
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi there"}]})
+    sent, _ = await intake(8192).process(body.encode())
+    assert json.loads(sent)["max_tokens"] == 500
+    clamped, _ = await intake(300).process(body.encode())  # the context leaves < 500
+    assert 200 < json.loads(clamped)["max_tokens"] < 300
+    own = json.dumps({"model": "m", "max_completion_tokens": 7,
+                      "messages": [{"role": "user", "content": "Hi"}]})
+    kept, _ = await intake(8192).process(own.encode())
+    assert "max_tokens" not in json.loads(kept) and json.loads(kept)["max_completion_tokens"] == 7

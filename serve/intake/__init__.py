@@ -24,6 +24,7 @@ class Intake:
     urls: UrlPolicy
     cache: ImageCache
     default_num_crops: int
+    default_max_tokens: int
     budget: PromptBudget | None = None
 
     @classmethod
@@ -42,12 +43,12 @@ class Intake:
                       max_bytes=s.max_image_bytes, read_timeout_s=s.image_url_timeout_s,
                       total_timeout_s=s.image_url_timeout_s,
                       max_redirects=s.image_url_max_redirects),
-            ImageCache(s.image_cache_bytes), s.num_crops)
+            ImageCache(s.image_cache_bytes), s.num_crops, s.default_max_tokens)
 
     def wrap(self, app) -> IntakeMiddleware:
         """``app`` behind the intake (call :meth:`load_budget` first)."""
         return IntakeMiddleware(app, self.limits, self.images, self.urls, self.budget,
-                                self.cache, self.default_num_crops)
+                                self.cache, self.default_num_crops, self.default_max_tokens)
 
     async def load_budget(self, engine, settings: Settings) -> None:
         """Attach the prompt-length check, with the engine's tokenizer and context length."""

@@ -139,6 +139,9 @@ class PromptBudget:
                               code="context_length_exceeded")
         if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) \
                 and count.total + max_tokens > self.max_model_len:
+            if request.default_max_tokens:  # the server's default: fit it to the context
+                request.body["max_tokens"] = self.max_model_len - count.total
+                return count
             field = ("max_completion_tokens" if request.body.get("max_completion_tokens")
                      else "max_tokens")
             raise IntakeError(400, f"{detail} + {field} {max_tokens} = "

@@ -46,11 +46,14 @@ class IntakeMiddleware:
         budget: prompt-length check; ``None`` until the tokenizer is loaded.
         cache: prepared images by content hash (history images cost a hash).
         default_num_crops: the server's ``num_crops`` (a request may ask for another).
+        default_max_tokens: ``max_tokens`` of a request that sets neither it nor
+            ``max_completion_tokens`` (clamped to what the context leaves).
     """
 
     def __init__(self, app: ASGIApp, limits: RequestLimits, image_policy: ImagePolicy,
                  url_policy: UrlPolicy, budget: PromptBudget | None = None,
-                 cache: ImageCache | None = None, default_num_crops: int = 1) -> None:
+                 cache: ImageCache | None = None, default_num_crops: int = 1,
+                 default_max_tokens: int = 2048) -> None:
         self.app = app
         self.limits = limits
         self.image_policy = image_policy
@@ -58,6 +61,7 @@ class IntakeMiddleware:
         self.budget = budget
         self.cache = cache if cache is not None else ImageCache(0)
         self.default_num_crops = default_num_crops
+        self.default_max_tokens = default_max_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" \
@@ -132,6 +136,11 @@ class IntakeMiddleware:
         for name in REFUSED_FIELDS:
             if data.get(name) is not None:
                 raise IntakeError(400, f"{name} is not accepted by this server", name)
+        if data.get("max_tokens") is None and data.get("max_completion_tokens") is None:
+            # Without a bound vLLM generates until the context is full (minutes on a 128k
+            # context); the server's documented default applies instead.
+            data["max_tokens"] = self.default_max_tokens
+            request.default_max_tokens = True
         return request
 
     def finish(self, request: ChatRequest, fetched: dict[int, bytes]) -> tuple[bytes, int]:

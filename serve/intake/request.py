@@ -59,6 +59,9 @@ class ChatRequest:
     body: dict[str, Any]
     images: list[ImageRef]
     num_crops: int | None
+    #: True when the client set neither max_tokens nor max_completion_tokens and the intake
+    #: put the server's default in ``max_tokens`` (clamped to the context by the budget).
+    default_max_tokens: bool = False
 
     def set_image_url(self, ref: ImageRef, url: str) -> None:
         """Point an image part at ``url`` (the prepared image); a ``detail: null`` (the
