@@ -23,13 +23,23 @@ def route_label(path: str) -> str:
     return path if path in ROUTES else "other"
 
 
+#: ASGI scope key of a per-request dict shared by every layer (scope copies keep the same
+#: dict): admission sets ``client_left`` there when the client disconnected before the answer.
+REQUEST_STATE_KEY = "phi3v.request"
+#: ``code`` label of a response that starts after its client left (nginx's convention).
+CLIENT_CLOSED = "499"
+
+
 def counting(scope: Scope, send: Send) -> Send:
-    """``send`` that counts the response status once it starts."""
+    """``send`` that counts the response status once it starts (``499`` when the client had
+    already left: nobody received that answer). Adds :data:`REQUEST_STATE_KEY` to ``scope``."""
     route = route_label(scope.get("path", ""))
+    state = scope.setdefault(REQUEST_STATE_KEY, {})
 
     async def _send(message: Message) -> None:
         if message["type"] == "http.response.start":
-            RESPONSES.labels(route=route, code=str(message["status"])).inc()
+            code = CLIENT_CLOSED if state.get("client_left") else str(message["status"])
+            RESPONSES.labels(route=route, code=code).inc()
         await send(message)
 
     return _send

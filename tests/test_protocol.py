@@ -104,3 +104,45 @@ async def test_requests_without_max_tokens_get_the_documented_default():
                       "messages": [{"role": "user", "content": "Hi"}]})
     kept, _ = await intake(8192).process(own.encode())
     assert "max_tokens" not in json.loads(kept) and json.loads(kept)["max_completion_tokens"] == 7
+
+
+def _counts(server) -> dict[str, float]:
+    scrape = server.metrics()
+    return {"aborted": server.metric("phi3v_aborted_requests_total", scrape=scrape),
+            "finished": server.metric("phi3v_finished_requests_total", scrape=scrape),
+            "goodput": server.metric("phi3v_goodput_requests_total", scrape=scrape),
+            "http200": server.metric("phi3v_http_responses_total",
+                                     {"route": "/v1/chat/completions", "code": "200"},
+                                     scrape=scrape)}
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_client_that_leaves_is_counted_aborted_not_finished(server):
+    """Honest accounting: a non-streamed request whose client gave up is not finished, not
+    goodput and not an HTTP 200; a stream the client closed early is aborted, not finished."""
+    before = _counts(server)
+    long_answer = chat(server, max_tokens=4000, ignore_eos=True)
+    try:
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=long_answer, timeout=0.5)
+    except httpx.TimeoutException:
+        pass
+    assert _wait_for(lambda: _counts(server)["aborted"] == before["aborted"] + 1)
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=60,
+                      json={**long_answer, "stream": True}) as r:
+        next(r.iter_lines())  # the first event, then the client leaves
+    assert _wait_for(lambda: _counts(server)["aborted"] == before["aborted"] + 2)
+    after = _counts(server)
+    assert after["finished"] == before["finished"] and after["goodput"] == before["goodput"]
+    assert after["http200"] == before["http200"] + 1  # the stream had started with 200
+    assert server.metric("phi3v_http_responses_total",
+                         {"route": "/v1/chat/completions", "code": "499"}) >= 1

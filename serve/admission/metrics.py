@@ -37,6 +37,9 @@ DECISIONS = Counter("phi3v_autotuner_decisions",
                     ["direction", "reason"])
 FINISHED = Counter("phi3v_finished_requests",
                    "Chat requests that finished with a complete answer (HTTP 200).")
+ABORTED = Counter("phi3v_aborted_requests",
+                  "Generation requests whose client left before the whole answer was sent "
+                  "(vLLM aborted them; not finished, not goodput).")
 GOODPUT = Counter("phi3v_goodput_requests",
                   "Finished requests that met both the TTFT and the ITL target (goodput).")
 SLO_TTFT = Gauge("phi3v_slo_ttft_seconds", "TTFT target, seconds (p90 objective).")

@@ -27,6 +27,7 @@ from serve.admission import metrics
 from serve.admission.limiter import AdmissionLimiter, Rejected
 from serve.asgi import ClientGone, read_body, replay
 from serve.errors import openai_error
+from serve.http_metrics import REQUEST_STATE_KEY
 from serve.intake.middleware import IMAGES_SCOPE_KEY
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -51,7 +52,21 @@ class ResponseTracker:
     chunk_times: list[float] = field(default_factory=list)
     done_marker: bool = False
     finished: bool = False
+    client_left: bool = False
     body: bytearray = field(default_factory=bytearray)
+
+    def watch(self, receive: Receive, request_state: dict | None = None) -> Receive:
+        """``receive`` that notes a client disconnect seen before the answer was sent in full
+        (vLLM listens for it to abort the engine request), here and in ``request_state``
+        (the gateway's per-request dict, so the HTTP counter does not count a 200)."""
+        async def watched() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not self.finished:
+                self.client_left = True
+                if request_state is not None:
+                    request_state["client_left"] = True
+            return message
+        return watched
 
     def wrap(self, send: Send) -> Send:
         async def tracked(message: Message) -> None:
@@ -74,8 +89,9 @@ class ResponseTracker:
 
     @property
     def completed(self) -> bool:
-        """The whole answer reached the client with HTTP 200."""
-        if self.status != 200 or not self.finished:
+        """The whole answer reached the client with HTTP 200 (a client that left before the
+        end did not get it, whatever was sent after)."""
+        if self.status != 200 or not self.finished or self.client_left:
             return False
         return self.done_marker if self.streaming else True
 
@@ -145,10 +161,14 @@ class AdmissionMiddleware:
         metrics.QUEUE_WAIT.observe(slot.queue_wait_s)
         tracker = ResponseTracker(arrival, self.clock)
         try:
-            await self.app(scope, replay(body, receive), tracker.wrap(send))
+            await self.app(scope, tracker.watch(replay(body, receive),
+                                                scope.get(REQUEST_STATE_KEY)),
+                           tracker.wrap(send))
         finally:
             completed = tracker.completed
             slot.release(completed=completed)
+            if tracker.client_left:
+                metrics.ABORTED.inc()
             if completed:
                 metrics.FINISHED.inc()
                 if tracker.streaming and tracker.ttft_s() is not None:
