@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import workloads as w
-from bench.workloads import percentile
+from bench.autotune import percentile
 from bench.cpu_engine import (IMAGES_DIR, ROOT, EngineServer, ensure_tiny_model,
-                              free_port, real_photos, start_process, stop_server)
+                              free_port, real_photos, start_process, start_server, stop_server)
 
 #: W1's prompts per segment, by kind and concurrency. A cell runs 4 segments per side (2 when a
 #: segment holds 64 prompts), the order of the sides alternating: ~5 min in all on this CPU.
@@ -89,21 +89,16 @@ def start_sides(out: Path, sides: dict[str, Side]) -> None:
     from serve.engine import vllm_cli_args
     from serve.settings import Settings
 
-    model = str(model_dir())
+    model = model_dir()
+    sides["ours"] = Side("ours", start_server([], out / "logs" / "ours.log", model=model))
     port = free_port()
-    sides["ours"] = Side("ours", start_process(
-        [sys.executable, "-m", "serve", "--model", model, "--port", str(port)],
-        port, out / "logs" / "ours.log", "/ready"))
-    port = free_port()
-    settings = Settings(model=model, port=port)
+    settings = Settings(model=str(model), port=port)
     sides["raw"] = Side("raw", start_process(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_cli_args(settings)],
         port, out / "logs" / "raw.log", "/v1/models", env=settings.engine_env()))
-    port = free_port()
-    sides["sequential"] = Side("sequential", start_process(
-        [sys.executable, "-m", "serve", "--model", model, "--port", str(port),
-         "--autotune", "static", "--admission-limit", "1"],
-        port, out / "logs" / "sequential.log", "/ready"))
+    sides["sequential"] = Side("sequential", start_server(
+        ["--autotune", "static", "--admission-limit", "1"], out / "logs" / "sequential.log",
+        model=model))
 
 
 def halves(items: list) -> tuple[list, list]:
@@ -133,6 +128,7 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
     w5 = [rest[k * W5_PHOTOS:(k + 1) * W5_PHOTOS] for k in range(W5_REPEATS)]
     mem = rest[W5_REPEATS * W5_PHOTOS:]
     out: dict = {name: {} for name in pair}
+    tokenizer_dir = model_dir()
 
     # Warm-up: the first request of a process pays one-off costs on both sides.
     warm = w.small_image_urls(sources, 1, seed + 500)
@@ -168,7 +164,7 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
                 for name in (names if k % 2 == 0 else names[::-1]):
                     url = sides[name].server.base_url
                     runs[name].append(w.serving_benchmark(
-                        url, model_dir(), model, kind, c, per_segment[c], segment_seed, log))
+                        url, tokenizer_dir, model, kind, c, per_segment[c], segment_seed, log))
             for name in names:
                 pooled = w.pool_runs(runs[name])
                 pooled["segments"] = [w.pool_runs([one]) for one in runs[name]]

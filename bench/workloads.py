@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import io
 import json
-import math
 import threading
 import time
 from base64 import b64encode
@@ -31,17 +30,13 @@ from pathlib import Path
 
 import httpx
 
+from bench.autotune import percentile
+
 #: A 12-megapixel phone photo (4:3, landscape), pixels.
 PHOTO_SIZE = (4032, 3024)
 #: Seeded noise amplitude (+-) added to the upscaled photos: makes each unique and ~2 MB as a
 #: JPEG at quality 90, like a real phone photo of that size (measured: 2.2 MB).
 PHOTO_NOISE = 8
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile ``q`` (0-100) of ``values`` (non-empty)."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def phone_photo(source: Path, seed: int, size: tuple[int, int] = PHOTO_SIZE) -> bytes:

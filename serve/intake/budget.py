@@ -35,6 +35,15 @@ class PromptCount:
         return self.text + self.image
 
 
+def answer_tokens(body: dict) -> tuple[str, int | None]:
+    """The answer-length field a chat body uses and its value: ``max_completion_tokens`` when
+    set (it wins in vLLM too), else ``max_tokens``; the value is None when it is not an
+    integer (vLLM then validates the field itself)."""
+    field = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+    value = body.get(field)
+    return field, value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 class PromptBudget:
     """Counts a chat prompt's tokens and refuses what cannot fit ``max_model_len``.
 
@@ -44,7 +53,8 @@ class PromptBudget:
     covers less than one byte (byte-level BPE, and SentencePiece with byte fallback, as Phi-3's
     tokenizer; user text cannot form special tokens once neutralised), plus two tokens per
     text segment (a SentencePiece dummy prefix, the newline joining segments), plus the
-    template's own tokens measured once at start (:attr:`fixed_tokens` per prompt, :attr:`message_tokens` per message, with a margin).
+    template's own tokens measured once at start (:attr:`fixed_tokens` per prompt,
+    :attr:`message_tokens` per message, with a margin).
 
     Args:
         tokenizer: a Hugging Face tokenizer with the model's chat template.
@@ -110,10 +120,7 @@ class PromptBudget:
     def fits(self, request: ChatRequest, sizes: list[tuple[int, int]] = ()) -> bool:
         """True when the upper bound (class docstring) of the prompt plus ``max_tokens`` (at
         least one answer token) is within ``max_model_len``: no exact count needed."""
-        body = request.body
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        answer = max_tokens if isinstance(max_tokens, int) and not isinstance(
-            max_tokens, bool) else 0
+        answer = answer_tokens(request.body)[1] or 0
         crops = request.num_crops or self.default_num_crops
         bound = self.text_token_bound(request) + sum(image_tokens(w, h, crops)
                                                      for w, h in sizes)
@@ -128,7 +135,7 @@ class PromptBudget:
         """
         if self.fits(request, sizes):
             return None
-        max_tokens = request.body.get("max_completion_tokens") or request.body.get("max_tokens")
+        field, max_tokens = answer_tokens(request.body)
         count = self.count(request, sizes)
         detail = (f"the prompt is {count.total} tokens ({count.text} text + {count.image} "
                   f"image tokens for {count.images} image(s))")
@@ -137,13 +144,10 @@ class PromptBudget:
                               f"{self.max_model_len} tokens. Send fewer or smaller images, a "
                               "lower num_crops, or shorter text.", "messages",
                               code="context_length_exceeded")
-        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) \
-                and count.total + max_tokens > self.max_model_len:
+        if max_tokens is not None and count.total + max_tokens > self.max_model_len:
             if request.default_max_tokens:  # the server's default: fit it to the context
                 request.body["max_tokens"] = self.max_model_len - count.total
                 return count
-            field = ("max_completion_tokens" if request.body.get("max_completion_tokens")
-                     else "max_tokens")
             raise IntakeError(400, f"{detail} + {field} {max_tokens} = "
                               f"{count.total + max_tokens} exceeds max_model_len "
                               f"{self.max_model_len}", field,

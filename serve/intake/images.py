@@ -184,6 +184,13 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image
 
 
+def _format(image: Image.Image) -> str:
+    """Pillow's format name of ``image``, upper case; phone JPEGs with a multi-picture
+    extension (Pillow's ``MPO``) are JPEGs."""
+    fmt = (image.format or "").upper()
+    return "JPEG" if fmt == "MPO" else fmt
+
+
 def _open_checked(raw: bytes, policy: ImagePolicy, param: str) -> Image.Image:
     """Open ``raw`` reading only its header; enforce bytes, format and pixel caps.
 
@@ -207,9 +214,7 @@ def _open_checked(raw: bytes, policy: ImagePolicy, param: str) -> Image.Image:
         raise IntakeError(400, "image data is not a readable image (corrupt or unknown "
                           f"format; accepted: {', '.join(sorted(policy.formats))})",
                           param) from None
-    fmt = (image.format or "").upper()
-    if fmt == "MPO":  # phone JPEGs with a multi-picture extension (Pillow's MPO): a JPEG
-        fmt = "JPEG"
+    fmt = _format(image)
     if fmt not in policy.formats:
         image.close()
         raise IntakeError(400, f"image format {fmt or 'unknown'} is not accepted; accepted:"
@@ -252,7 +257,7 @@ def prepare_image(raw: bytes, policy: ImagePolicy, num_crops: int, param: str,
     """
     image = _open_checked(raw, policy, param)
     with image:
-        fmt = "JPEG" if image.format == "MPO" else (image.format or "").upper()
+        fmt = _format(image)
         try:
             animated = bool(getattr(image, "is_animated", False))
             if animated:

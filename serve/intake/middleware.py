@@ -100,7 +100,7 @@ class IntakeMiddleware:
             if not isinstance(done, ChatRequest):
                 return done
             request = done
-        if any(ref.url[:5].lower() != "data:" for ref in request.images):
+        if not all(ref.is_data_url for ref in request.images):
             return await self.fetch_and_finish(request)
         return await asyncio.to_thread(self.finish, request, {})
 
@@ -109,7 +109,7 @@ class IntakeMiddleware:
         must be fetched first: then the parsed request is returned for :meth:`fetch_and_finish`.
         """
         request = self.parse(raw)
-        if any(ref.url[:5].lower() != "data:" for ref in request.images):
+        if not all(ref.is_data_url for ref in request.images):
             return request
         return self.finish(request, {})
 
@@ -118,7 +118,7 @@ class IntakeMiddleware:
         worker thread."""
         fetched = {}
         for k, ref in enumerate(request.images):
-            if ref.url[:5].lower() != "data:":
+            if not ref.is_data_url:
                 fetched[k] = await fetch_image_url(ref.url, self.url_policy, ref.param)
         return await asyncio.to_thread(self.finish, request, fetched)
 

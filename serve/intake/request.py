@@ -51,6 +51,11 @@ class ImageRef:
     def param(self) -> str:
         return f"messages[{self.message}].content[{self.part}].image_url"
 
+    @property
+    def is_data_url(self) -> bool:
+        """A ``data:`` URL (decoded here) rather than a URL to fetch."""
+        return self.url[:5].lower() == "data:"
+
 
 @dataclass
 class ChatRequest:

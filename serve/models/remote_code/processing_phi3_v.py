@@ -144,6 +144,15 @@ def _to_rgb(image):
     return image.convert("RGB")
 
 
+def _landscape_resize(image, num_crops):
+    """Steps 1-3 of the HD transform: ``(resized image in the landscape frame, top padding,
+    transposed)``."""
+    new_w, new_h, _, _, top, transposed = hd_transform_size(image.width, image.height, num_crops)
+    if transposed:
+        image = image.transpose(Image.Transpose.TRANSPOSE)
+    return image.resize((new_w, new_h), Image.Resampling.BILINEAR), top, transposed
+
+
 def hd_resize(image, num_crops):
     """Steps 1-3 and 5 of the HD transform (transpose, bilinear resize, transpose back),
     without the padding.
@@ -152,13 +161,8 @@ def hd_resize(image, num_crops):
     copy when the size is unchanged, so resizing an image this function produced is the
     identity whenever :func:`hd_transform_size` maps its size to itself.
     """
-    new_w, new_h, _, _, _, transposed = hd_transform_size(image.width, image.height, num_crops)
-    if transposed:
-        image = image.transpose(Image.Transpose.TRANSPOSE)
-    image = image.resize((new_w, new_h), Image.Resampling.BILINEAR)
-    if transposed:
-        image = image.transpose(Image.Transpose.TRANSPOSE)
-    return image
+    image, _, transposed = _landscape_resize(image, num_crops)
+    return image.transpose(Image.Transpose.TRANSPOSE) if transposed else image
 
 
 def hd_transform(image, num_crops):
@@ -166,10 +170,7 @@ def hd_transform(image, num_crops):
 
     Returns a PIL RGB image whose width and height are multiples of 336.
     """
-    _, _, _, _, top, transposed = hd_transform_size(image.width, image.height, num_crops)
-    image = hd_resize(image, num_crops)
-    if transposed:
-        image = image.transpose(Image.Transpose.TRANSPOSE)
+    image, top, transposed = _landscape_resize(image, num_crops)
     new_w, new_h = image.size
     target_h = int(np.ceil(new_h / CROP_SIZE) * CROP_SIZE)
     canvas = Image.new("RGB", (new_w, target_h), (255, 255, 255))
