@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from serve.app import create_app
+    from serve.http_limits import bounded_head_protocol
 
     server: uvicorn.Server | None = None
     failed = False
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings, on_fatal=on_fatal)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, timeout_graceful_shutdown=30,
-                            lifespan="on")
+                            lifespan="on", http=bounded_head_protocol(settings.max_header_bytes))
     server = uvicorn.Server(config)
     server.run()
     return 1 if failed else 0

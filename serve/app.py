@@ -206,6 +206,18 @@ class Gateway:
         """Read-only autotuner state: limit, last signals, recent decisions."""
         return JSONResponse(self.admission.autotuner.state())
 
+    def request_layers(self) -> list[Callable[[ASGIApp], ASGIApp]]:
+        """The layers every request to vLLM's app passes, outermost first (auth and the route
+        table come before, in :meth:`__call__`). Each wraps an ASGI app; generation routes
+        (``serve.routes.GENERATION_ROUTES``) get all of them, other routes pass through
+        unchanged except for the body limit."""
+        return [
+            lambda inner: BodyLimitMiddleware(inner, self.settings.max_request_bytes),
+            self.intake.wrap,  # validation, images, prompt length, request ids
+            self.admission.wrap,  # the live max_num_seqs, goodput accounting
+            StreamGuardMiddleware,  # one error event, never a silent cut
+        ]
+
     # --- life cycle -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette):
@@ -242,11 +254,7 @@ class Gateway:
             capacity = self.admission.apply_kv_capacity(self.settings, kv_tokens)
             log.info("KV cache: %s tokens; KV-safe capacity %s requests; admission limit %d",
                      kv_tokens, capacity, self.admission.limiter.limit)
-            # Request layers, outermost first: body limit -> intake (validation, images,
-            # prompt length) -> admission control -> stream guard -> vLLM's OpenAI app.
-            self.state.openai_app = BodyLimitMiddleware(
-                self.intake.wrap(self.admission.wrap(StreamGuardMiddleware(app))),
-                self.settings.max_request_bytes)
+            self.state.openai_app = compose(app, self.request_layers())
             self.admission.autotuner.start()
             self._exit_stack.push_async_callback(self.admission.autotuner.stop)
         except asyncio.CancelledError:
@@ -276,6 +284,13 @@ async def _closed(scope: Scope, receive: Receive, send: Send) -> None:
     if scope["type"] == "http":
         await openai_error(404, f"{scope.get('path')} is not served here",
                            type_="not_found_error")(scope, receive, send)
+
+
+def compose(app: ASGIApp, layers: list[Callable[[ASGIApp], ASGIApp]]) -> ASGIApp:
+    """``app`` wrapped by ``layers`` (outermost first)."""
+    for layer in reversed(layers):
+        app = layer(app)
+    return app
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -28,10 +28,18 @@ import re
 GENERATE, SERVED, OPTIONAL, CLOSED = "generate", "served", "optional", "closed"
 POLICIES = (GENERATE, SERVED, OPTIONAL, CLOSED)
 
+#: Wire protocols of the generation routes: request shape and SSE dialect.
+CHAT, COMPLETIONS, RESPONSES = "chat", "completions", "responses"
+#: Every ``generate`` route (``POST``) and its protocol.
+GENERATION_ROUTES: dict[str, str] = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": COMPLETIONS,
+    "/v1/responses": RESPONSES,
+}
+
 #: Every route of vLLM 0.32's OpenAI app (path templates as vLLM declares them).
 VLLM_ROUTES: dict[str, str] = {
-    "/v1/chat/completions": GENERATE,
-    "/v1/completions": GENERATE,
+    **{path: GENERATE for path in GENERATION_ROUTES},
     "/v1/models": SERVED,
     "/version": SERVED,
     "/ping": SERVED,  # SageMaker-style liveness (GET and POST), no body
@@ -39,8 +47,8 @@ VLLM_ROUTES: dict[str, str] = {
     # Shadowed by our own routes.
     "/health": SERVED,
     "/metrics": SERVED,
-    # Closed unless --open-routes: no intake, no admission.
-    "/v1/responses": OPTIONAL,
+    # Closed unless --open-routes: no intake, no admission. Stored responses need vLLM's
+    # response store (off by default), so retrieving and cancelling them are closed too.
     "/v1/responses/{response_id}": OPTIONAL,
     "/v1/responses/{response_id}/cancel": OPTIONAL,
     "/v1/messages": OPTIONAL,

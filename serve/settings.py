@@ -169,13 +169,18 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         64 * 2**20, ge=1024, description="Largest request body, bytes; larger is 413."
     )
+    max_header_bytes: int = Field(
+        64 * 2**10, ge=4096,
+        description="Largest request head (request line and headers), bytes; larger is 431. "
+        "Counted as it arrives, so a huge header is never buffered.",
+    )
     max_n: int = Field(
         1, ge=1, description="Most choices (n) per request; each is a full generation."
     )
     default_max_tokens: int = Field(
         2048, ge=1,
         description="max_tokens of a chat request that sets neither max_tokens nor "
-        "max_completion_tokens, clamped to what max_model_len leaves after the prompt "
+        "max_completion_tokens (max_output_tokens of a Responses request), clamped to what max_model_len leaves after the prompt "
         "(without it vLLM generates until the context is full).",
     )
     max_num_crops: int = Field(
@@ -213,8 +218,8 @@ class Settings(BaseSettings):
     open_routes: list[str] = Field(
         [],
         description="vLLM routes closed by default to serve as vLLM answers them, without "
-        "intake or admission: /v1/responses, /v1/messages, /invocations, /tokenize, "
-        "/detokenize, the render routes, /docs (see serve/routes.py).",
+        "intake or admission: /v1/messages, /invocations, /tokenize, /detokenize, stored "
+        "responses, the render routes, /docs (see serve/routes.py).",
     )
     metrics_require_auth: bool = Field(
         False, description="Require an API key for /metrics too (/health, /ready stay open)."

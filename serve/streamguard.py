@@ -1,15 +1,17 @@
 """Stream guard: an SSE answer ends either normally or with exactly one error event.
 
 Once a streamed response has started (HTTP 200 sent), an error can no longer change the
-status. The rule then is: exactly one ``data: {"error": {...}}`` event, then the stream ends;
+status. The rule then is: exactly one error event (``data: {"error": {...}}`` for chat and
+completions, ``event: error`` for the Responses API: ``serve.sse``), then the stream ends;
 never a truncated answer that looks like a normal stop. This ASGI piece enforces it around
 vLLM's app:
 
 - vLLM's own error event passes through; what follows it (vLLM's ``data: [DONE]``) is dropped.
-- A choice finishing with ``finish_reason`` ``"abort"`` or ``"error"`` (engine-side abort)
-  becomes one error event.
+- A chat/completions choice finishing with ``finish_reason`` ``"abort"`` or ``"error"``
+  (engine-side abort) becomes one error event.
 - An exception raised by the app after the stream started becomes one error event.
-- A stream that ends without ``[DONE]`` and without an error gets one error event.
+- A stream that ends without its normal end (``[DONE]``, ``response.completed``) and without
+  an error gets one error event.
 - A chunk that carries nothing (an empty ``content`` delta with no role, no finish reason),
   which vLLM sends after the role chunk when ``stop`` is set, is dropped.
 
@@ -24,7 +26,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.errors import error_body
+from serve.sse import SseDialect, dialect
 
 log = logging.getLogger("serve.streamguard")
 
@@ -37,26 +39,25 @@ _MARKERS = tuple(f'"{word}"'.encode() for word in ABNORMAL_FINISH)
 _PARSE_MARKERS = (*_MARKERS, b'"content":""')
 
 
-def error_event(message: str, type_: str = "server_error", status: int = 500) -> bytes:
-    """One SSE event carrying an OpenAI-style error object."""
-    return b"data: " + json.dumps(error_body(status, message, type_)).encode() + b"\n\n"
-
-
 class _Stream:
     """State of one SSE response passing through the guard."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, sse: SseDialect) -> None:
         self.send = send
+        self.sse = sse
         self.buffer = b""
-        self.closed = False  # an error event was sent, or [DONE]
+        self.closed = False  # an error event was sent, or the normal end
+        self.events = 0  # events sent (the next Responses sequence_number)
 
     async def emit(self, data: bytes, more: bool = True) -> None:
+        if data:
+            self.events += 1
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def fail(self, message: str) -> None:
         if not self.closed:
             self.closed = True
-            await self.emit(error_event(message))
+            await self.emit(self.sse.error_event(message, self.events))
 
     async def feed(self, chunk: bytes) -> None:
         """Forward complete events until the stream is closed."""
@@ -70,6 +71,10 @@ class _Stream:
             await self._event(event + b"\n\n")
 
     async def _event(self, event: bytes) -> None:
+        if not self.sse.chunks:  # Responses API: typed events, nothing to rewrite
+            self.closed = event.startswith(self.sse.done + self.sse.error)
+            await self.emit(event)
+            return
         payload = event.strip()
         if payload.startswith(b"data: "):
             payload = payload[len(b"data: "):]
@@ -144,7 +149,7 @@ class StreamGuardMiddleware:
                 if b"text/event-stream" in headers.get(b"content-type", b""):
                     message = {**message, "headers": no_buffering(message.get("headers") or [])}
                     if message.get("status") == 200:
-                        stream = _Stream(send)
+                        stream = _Stream(send, dialect(scope.get("path")))
                 await send(message)
             elif message["type"] == "http.response.body" and stream is not None:
                 await stream.feed(message.get("body", b""))

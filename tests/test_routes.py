@@ -15,6 +15,8 @@ from tests.conftest import ROOT, TINY_MODEL
 def test_policies_and_templates():
     table = RouteTable()
     assert table.policy("/v1/chat/completions") == GENERATE
+    assert table.policy("/v1/responses") == GENERATE
+    assert table.policy("/v1/completions") == GENERATE
     assert table.policy("/v1/models") == SERVED
     assert table.policy("/v1/responses/resp_123") == OPTIONAL
     assert table.policy("/v1/responses/resp_123/cancel") == OPTIONAL

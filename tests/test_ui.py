@@ -76,7 +76,7 @@ def test_config_toml_upload_gate_matches_server_defaults():
     spec = images.upload_spec(LIMITS)
     assert gate["enabled"] is True
     assert gate["accept"] == spec["accept"]
-    assert gate["max_files"] == spec["max_files"] == LIMITS.max_images_per_request
+    assert "max_files" not in gate and spec["max_files"] is None  # counted by the handler
     assert gate["max_size_mb"] == spec["max_size_mb"]
 
 
@@ -155,7 +155,7 @@ def test_refused_images_name_the_file_and_the_limit(name, limits, expected):
 
 def test_too_many_images_per_message_is_refused():
     images.check_count(LIMITS.max_images_per_request, LIMITS)
-    with pytest.raises(images.ImageRefused, match=r"at most 4 images per request"):
+    with pytest.raises(images.ImageRefused, match=r"at most 4 images per message"):
         images.check_count(LIMITS.max_images_per_request + 1, LIMITS)
 
 
@@ -433,6 +433,32 @@ async def test_unreadable_and_oversize_files_are_refused_with_the_limit(chat, se
     await chat.attach(huge)
     assert await chat.toast(timeout_ms=30_000) == f"File is larger than {max_mb} MB"
     assert await chat.count("#attachments") == 0
+
+
+async def test_too_many_and_empty_files_are_refused_with_the_limit(chat, ui, server, tmp_path):
+    """Images attached in two drops (3 + 2, each under the limit) are counted together: the
+    answer names the limit per message. A zero-byte file is refused at upload with its name,
+    and the UI logs no traceback."""
+    limit = httpx.get(f"{server.base_url}/limits").json()["max_images_per_request"]
+    log_start = len(ui.log_path.read_text(errors="replace"))
+    await chat.new_chat()
+    photos = [IMAGES / f for f in ("chelsea.png", "coffee.png", "astronaut.png", "rocket.jpg",
+                                   "page.png", "one_pixel.png")][:limit + 1]
+    await chat.attach(*photos[:3])
+    await chat.wait_attached(3)
+    await chat.attach(*photos[3:])
+    await chat.wait_attached(len(photos))
+    await chat.send("Compare them.")
+    text = await chat.wait_assistant(0, "Not sent.", timeout_s=20)
+    assert f"{len(photos)} images attached: at most {limit} images per message" in text
+    await chat.new_chat()
+    empty = tmp_path / "empty.png"
+    empty.write_bytes(b"")
+    await chat.attach(empty)
+    assert await chat.toast(timeout_ms=15_000) == (
+        "Failed to upload empty.png: empty.png is empty (0 bytes); attach an image file.")
+    assert await chat.count("#attachments") == 0
+    assert "Traceback" not in ui.log_path.read_text(errors="replace")[log_start:]
 
 
 async def set_chat_settings(chat: ChatPage, max_tokens: int | None = None,

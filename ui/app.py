@@ -33,6 +33,7 @@ from ui.history import ANSWER_KEY, Conversation, HistoryImage, Turn  # noqa: E40
 from ui.settings import UISettings  # noqa: E402
 from ui.stats import AnswerStats  # noqa: E402
 from ui.storage import LocalStorageClient, add_file_route  # noqa: E402
+from ui.uploads import EmptyUploadGuard  # noqa: E402
 
 #: OpenAI's temperature range.
 TEMPERATURE_MIN, TEMPERATURE_MAX = 0.0, 2.0
@@ -45,6 +46,7 @@ storage = LocalStorageClient(settings.storage_dir)
 auth.ensure_auth_secret(settings.auth_secret_file)
 add_file_route(chainlit_app, storage,
                owner_of=lambda key: db.element_owner(get_data_layer(), key))
+chainlit_app.add_middleware(EmptyUploadGuard)
 
 
 # --- helpers used by the handlers -------------------------------------------------------------

@@ -9,11 +9,14 @@ Two gates, one set of numbers:
 
 1. **The browser** (Chainlit's upload button and drop zone): :func:`upload_spec` turns the
    limits into Chainlit's ``[features.spontaneous_file_upload]`` (``accept`` MIME types,
-   ``max_files``, ``max_size_mb``), so a file of the wrong type or too many bytes is refused
-   before it is uploaded, with Chainlit's own message naming the limit ("File is larger than
-   10 MB"). Chainlit counts a MB as 10^6 bytes in the browser and whole MB only, so the
-   browser bound is the server's byte limit rounded *down* (never lets through what the server
-   would refuse).
+   ``max_size_mb``), so a file of the wrong type or too many bytes is refused before it is
+   uploaded, with Chainlit's own message naming the limit ("File is larger than 10 MB").
+   Chainlit counts a MB as 10^6 bytes in the browser and whole MB only, so the browser bound is
+   the server's byte limit rounded *down* (never lets through what the server would refuse).
+   The image count is *not* left to the browser: Chainlit checks it per drop only (two drops
+   of 3 pass) and says "Too many files" without the limit; the handler counts every
+   attachment of the message and says "at most N images per message" (:func:`check_count`).
+   An empty file is refused at upload with its name (``ui.uploads``).
 2. **The handler** (:func:`prepare_image`), authoritative: exact byte limit, the pixel limit
    (from the header, before decoding: decompression bombs), the format list, and whether the
    file decodes at all. Its :class:`ImageRefused` message names the file and the limit.
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+from ui.uploads import empty_upload_message
 
 if TYPE_CHECKING:
     from ui.api import ServerLimits
@@ -91,7 +96,7 @@ def upload_spec(limits: ServerLimits) -> dict:
     return {
         "enabled": True,
         "accept": accepted_mimes(limits),
-        "max_files": limits.max_images_per_request,
+        "max_files": None,  # counted by the handler (module docstring), not per drop
         # Browser: whole MB of 10^6 bytes, rounded down so it is never looser than the server.
         "max_size_mb": max(1, limits.max_image_bytes // 1_000_000),
     }
@@ -101,8 +106,8 @@ def check_count(n: int, limits: ServerLimits) -> None:
     """Refuse a message carrying more images than one request may hold."""
     if n > limits.max_images_per_request:
         raise ImageRefused(
-            f"{n} images attached: the server accepts at most "
-            f"{limits.max_images_per_request} images per request (max_images_per_request).")
+            f"{n} images attached: at most {limits.max_images_per_request} images per message "
+            "(the server's max_images_per_request). Remove some and send again.")
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -128,7 +133,7 @@ def prepare_image(name: str, raw: bytes, limits: ServerLimits, max_side_px: int,
     """
     formats = ", ".join(limits.image_formats)
     if not raw:
-        raise ImageRefused(f"{name} is empty (0 bytes).")
+        raise ImageRefused(empty_upload_message(name))
     if len(raw) > limits.max_image_bytes:
         raise ImageRefused(
             f"{name} is {human_bytes(len(raw))}: the server accepts images up to "

@@ -1,6 +1,7 @@
 """ASGI admission middleware for the generation routes, and goodput accounting.
 
-For ``POST /v1/chat/completions`` (and ``/v1/completions``): buffer the body, take a slot from
+For every generation route (``serve.routes.GENERATION_ROUTES``: chat completions,
+completions, Responses API): buffer the body, take a slot from
 the :class:`~serve.admission.limiter.AdmissionLimiter` (a client that leaves while queued
 leaves the queue), forward to vLLM's app, and release the slot exactly once when the response
 ends, however it ends. Refusals are 429 with ``Retry-After`` and an OpenAI-style error.
@@ -29,8 +30,8 @@ from serve.asgi import ClientGone, read_body, replay
 from serve.errors import openai_error
 from serve.http_metrics import REQUEST_STATE_KEY
 from serve.intake.middleware import IMAGES_SCOPE_KEY
-
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+from serve.routes import GENERATION_ROUTES
+from serve.sse import CHAT_SSE, SseDialect, dialect
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class ResponseTracker:
     finished: bool = False
     client_left: bool = False
     body: bytearray = field(default_factory=bytearray)
+    #: The route's SSE dialect: what marks a streamed answer's normal end.
+    sse: SseDialect = CHAT_SSE
 
     def watch(self, receive: Receive, request_state: dict | None = None) -> Receive:
         """``receive`` that notes a client disconnect seen before the answer was sent in full
@@ -77,9 +80,10 @@ class ResponseTracker:
             elif message["type"] == "http.response.body":
                 chunk = message.get("body", b"")
                 if chunk:
-                    self.chunk_times.append(self.clock())
+                    if not self.streaming or self.sse.carries_tokens(chunk):
+                        self.chunk_times.append(self.clock())
                     if self.streaming:
-                        self.done_marker = self.done_marker or b"data: [DONE]" in chunk
+                        self.done_marker = self.done_marker or self.sse.has_done(chunk)
                     elif len(self.body) < 1 << 20:
                         self.body.extend(chunk)
                 if not message.get("more_body", False):
@@ -104,8 +108,11 @@ class ResponseTracker:
         return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
 
     def completion_tokens(self) -> int | None:
+        """Answer tokens of a non-streamed response (``usage.completion_tokens``, or the
+        Responses API's ``usage.output_tokens``)."""
         with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-            return int(json.loads(bytes(self.body))["usage"]["completion_tokens"])
+            usage = json.loads(bytes(self.body))["usage"]
+            return int(usage.get("completion_tokens", usage.get("output_tokens")))
         return None
 
     def meets(self, slo: SloTargets) -> bool:
@@ -138,7 +145,7 @@ class AdmissionMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope.get("method") != "POST"
-                or scope.get("path") not in GENERATION_PATHS):
+                or scope.get("path") not in GENERATION_ROUTES):
             await self.app(scope, receive, send)
             return
         arrival = self.clock()
@@ -159,7 +166,7 @@ class AdmissionMiddleware:
             await response(scope, receive, send)
             return
         metrics.QUEUE_WAIT.observe(slot.queue_wait_s)
-        tracker = ResponseTracker(arrival, self.clock)
+        tracker = ResponseTracker(arrival, self.clock, sse=dialect(scope.get("path")))
         try:
             await self.app(scope, tracker.watch(replay(body, receive),
                                                 scope.get(REQUEST_STATE_KEY)),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serve.intake.errors import IntakeError
-from serve.intake.request import ChatRequest
+from serve.intake.request import GenerationRequest
 from serve.models.remote_code.processing_phi3_v import hd_transform_size, num_image_tokens
 
 
@@ -33,15 +33,6 @@ class PromptCount:
     @property
     def total(self) -> int:
         return self.text + self.image
-
-
-def answer_tokens(body: dict) -> tuple[str, int | None]:
-    """The answer-length field a chat body uses and its value: ``max_completion_tokens`` when
-    set (it wins in vLLM too), else ``max_tokens``; the value is None when it is not an
-    integer (vLLM then validates the field itself)."""
-    field = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
-    value = body.get(field)
-    return field, value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class PromptBudget:
@@ -82,20 +73,20 @@ class PromptBudget:
                                                       tokenize=False)
         return len(self.tokenizer.encode(rendered, add_special_tokens=False))
 
-    def text_token_bound(self, request: ChatRequest) -> int:
+    def text_token_bound(self, request: GenerationRequest) -> int:
         """An upper bound of the text tokens of ``request`` (see the class docstring)."""
         total = self.fixed_tokens
-        for message in request.body["messages"]:
+        for message in request.messages:
             content = message["content"]
             texts = [content] if isinstance(content, str) else [
                 p["text"] if p["type"] == "text" else "<|image_1000|>\n" for p in content]
             total += self.message_tokens + sum(len(t.encode()) + 2 for t in texts)
         return total
 
-    def count(self, request: ChatRequest, sizes: list[tuple[int, int]]) -> PromptCount:
+    def count(self, request: GenerationRequest, sizes: list[tuple[int, int]]) -> PromptCount:
         """Tokens of ``request`` whose images (in order) have pixel ``sizes``."""
         messages, k = [], 0
-        for message in request.body["messages"]:
+        for message in request.messages:
             content = message["content"]
             if isinstance(content, str):
                 messages.append({"role": message["role"], "content": content})
@@ -117,16 +108,16 @@ class PromptBudget:
         image = sum(image_tokens(w, h, crops) for w, h in sizes)
         return PromptCount(text, image, k)
 
-    def fits(self, request: ChatRequest, sizes: list[tuple[int, int]] = ()) -> bool:
+    def fits(self, request: GenerationRequest, sizes: list[tuple[int, int]] = ()) -> bool:
         """True when the upper bound (class docstring) of the prompt plus ``max_tokens`` (at
         least one answer token) is within ``max_model_len``: no exact count needed."""
-        answer = answer_tokens(request.body)[1] or 0
+        answer = request.answer_tokens()[1] or 0
         crops = request.num_crops or self.default_num_crops
         bound = self.text_token_bound(request) + sum(image_tokens(w, h, crops)
                                                      for w, h in sizes)
         return bound + max(answer, 1) <= self.max_model_len
 
-    def check(self, request: ChatRequest, sizes: list[tuple[int, int]]) -> PromptCount | None:
+    def check(self, request: GenerationRequest, sizes: list[tuple[int, int]]) -> PromptCount | None:
         """Raise a 400 with the real counts when the prompt (plus ``max_tokens``, if given)
         exceeds ``max_model_len``.
 
@@ -135,18 +126,18 @@ class PromptBudget:
         """
         if self.fits(request, sizes):
             return None
-        field, max_tokens = answer_tokens(request.body)
+        field, max_tokens = request.answer_tokens()
         count = self.count(request, sizes)
         detail = (f"the prompt is {count.total} tokens ({count.text} text + {count.image} "
                   f"image tokens for {count.images} image(s))")
         if count.total >= self.max_model_len:
             raise IntakeError(400, f"{detail}; the model's context (max_model_len) is "
                               f"{self.max_model_len} tokens. Send fewer or smaller images, a "
-                              "lower num_crops, or shorter text.", "messages",
+                              "lower num_crops, or shorter text.", request.prompt_field,
                               code="context_length_exceeded")
         if max_tokens is not None and count.total + max_tokens > self.max_model_len:
             if request.default_max_tokens:  # the server's default: fit it to the context
-                request.body["max_tokens"] = self.max_model_len - count.total
+                request.body[field] = self.max_model_len - count.total
                 return count
             raise IntakeError(400, f"{detail} + {field} {max_tokens} = "
                               f"{count.total + max_tokens} exceeds max_model_len "

@@ -1,9 +1,12 @@
-"""ASGI intake for ``POST /v1/chat/completions``: validate, fetch and normalise images, count
-tokens, then hand vLLM a clean body. A client mistake is a 4xx here and never reaches vLLM.
+"""ASGI intake for the generation routes (``serve.routes.GENERATION_ROUTES``: chat
+completions, completions, Responses API): validate, fetch and normalise images, count tokens,
+then hand vLLM a clean body. A client mistake is a 4xx here and never reaches vLLM.
 
-Order inside: JSON -> structure (``serve.intake.request``) -> images (``images``/``urls``,
+Order inside: ``X-Request-Id`` -> JSON -> structure (``serve.intake.request`` for chat and
+completions, ``serve.intake.responses`` for the Responses API) -> images (``images``/``urls``,
 through the prepared-image cache ``cache``) -> prompt length (``budget``) -> forward with each
-image replaced by its prepared ``data:`` URL.
+image replaced by its prepared ``data:`` URL. A completions prompt is raw text without images:
+only the shared checks apply (``request_id``, ``n``).
 
 The event loop only moves bytes: parsing the multi-MB JSON, base64 decoding, image decoding
 and tokenisation run in a worker thread (one hop per request, two when an image URL has to be
@@ -23,11 +26,22 @@ from serve.intake.budget import PromptBudget
 from serve.intake.errors import IntakeError
 from serve.intake.cache import ImageCache, image_key
 from serve.intake.images import ImagePolicy, data_url_payload, decode_base64, prepare_image
-from serve.intake.request import ChatRequest, RequestLimits, parse_chat_request
+from serve.intake.request import (
+    GenerationRequest,
+    RequestLimits,
+    check_request_id,
+    parse_chat_request,
+    parse_completion_request,
+)
+from serve.intake.responses import parse_responses_request
 from serve.intake.urls import UrlPolicy, fetch_image_url
+from serve.routes import CHAT, COMPLETIONS, GENERATION_ROUTES, RESPONSES
 
 log = logging.getLogger("serve.intake")
-CHAT_PATH = "/v1/chat/completions"
+#: The body parser of each generation protocol.
+PARSERS = {CHAT: parse_chat_request, COMPLETIONS: parse_completion_request,
+           RESPONSES: parse_responses_request}
+REQUEST_ID_HEADER = b"x-request-id"
 #: ASGI scope key carrying the request's image count to the layers behind the intake.
 IMAGES_SCOPE_KEY = "phi3v.images"
 #: Largest body handled on the event loop when it has no images (a text chat): parsing it takes
@@ -64,8 +78,8 @@ class IntakeMiddleware:
         self.default_max_tokens = default_max_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" \
-                or scope.get("path") != CHAT_PATH:
+        protocol = GENERATION_ROUTES.get(scope.get("path"))
+        if scope["type"] != "http" or scope.get("method") != "POST" or protocol is None:
             await self.app(scope, receive, send)
             return
         try:
@@ -73,14 +87,15 @@ class IntakeMiddleware:
         except ClientGone:
             return
         try:
-            body, images = await self.process(raw)
+            scope = unique_request_id_header(scope)
+            body, images = await self.process(raw, protocol)
         except IntakeError as err:
             await err.response()(scope, receive, send)
             return
         scope = {**with_content_length(scope, len(body)), IMAGES_SCOPE_KEY: images}
         await self.app(scope, replay(body, receive), send)
 
-    async def process(self, raw: bytes) -> tuple[bytes, int]:
+    async def process(self, raw: bytes, protocol: str = CHAT) -> tuple[bytes, int]:
         """The cleaned request body and its number of images.
 
         A body of at most :data:`INLINE_MAX_BYTES` without images whose prompt provably fits
@@ -92,28 +107,30 @@ class IntakeMiddleware:
             IntakeError: the first client mistake found.
         """
         if len(raw) <= INLINE_MAX_BYTES:
-            request = self.parse(raw)
-            if not request.images and (self.budget is None or self.budget.fits(request)):
+            request = self.parse(raw, protocol)
+            if not request.images and (self.budget is None or request.messages is None
+                                       or self.budget.fits(request)):
                 return self.serialize(request)
         else:
-            done = await asyncio.to_thread(self.parse_and_finish, raw)
-            if not isinstance(done, ChatRequest):
+            done = await asyncio.to_thread(self.parse_and_finish, raw, protocol)
+            if not isinstance(done, GenerationRequest):
                 return done
             request = done
         if not all(ref.is_data_url for ref in request.images):
             return await self.fetch_and_finish(request)
         return await asyncio.to_thread(self.finish, request, {})
 
-    def parse_and_finish(self, raw: bytes) -> tuple[bytes, int] | ChatRequest:
+    def parse_and_finish(self, raw: bytes,
+                         protocol: str = CHAT) -> tuple[bytes, int] | GenerationRequest:
         """:meth:`parse` then :meth:`finish` in the calling (worker) thread, unless an image URL
         must be fetched first: then the parsed request is returned for :meth:`fetch_and_finish`.
         """
-        request = self.parse(raw)
+        request = self.parse(raw, protocol)
         if not all(ref.is_data_url for ref in request.images):
             return request
         return self.finish(request, {})
 
-    async def fetch_and_finish(self, request: ChatRequest) -> tuple[bytes, int]:
+    async def fetch_and_finish(self, request: GenerationRequest) -> tuple[bytes, int]:
         """Fetch the request's image URLs (SSRF rules in ``serve.intake.urls``), then finish in a
         worker thread."""
         fetched = {}
@@ -122,8 +139,12 @@ class IntakeMiddleware:
                 fetched[k] = await fetch_image_url(ref.url, self.url_policy, ref.param)
         return await asyncio.to_thread(self.finish, request, fetched)
 
-    def parse(self, raw: bytes) -> ChatRequest:
+    def parse(self, raw: bytes, protocol: str = CHAT) -> GenerationRequest:
         """JSON and structure checks (CPU-bound for a large body: run it in a worker thread).
+
+        Args:
+            raw: the request body.
+            protocol: the route's protocol (``serve.routes``: chat, completions, responses).
 
         Raises:
             IntakeError: 400 naming the field.
@@ -132,18 +153,21 @@ class IntakeMiddleware:
             data = json.loads(raw)
         except ValueError as exc:
             raise IntakeError(400, f"request body is not valid JSON ({exc})") from None
-        request = parse_chat_request(data, self.limits)
+        request = PARSERS[protocol](data, self.limits)
         for name in REFUSED_FIELDS:
             if data.get(name) is not None:
                 raise IntakeError(400, f"{name} is not accepted by this server", name)
-        if data.get("max_tokens") is None and data.get("max_completion_tokens") is None:
+        if request.messages is not None and all(
+                data.get(name) is None for name in request.answer_fields):
             # Without a bound vLLM generates until the context is full (minutes on a 128k
-            # context); the server's documented default applies instead.
-            data["max_tokens"] = self.default_max_tokens
+            # context); the server's documented default applies instead. (A completions
+            # request keeps vLLM's default of 16 tokens, as the OpenAI API.)
+            data[request.answer_fields[-1]] = self.default_max_tokens
             request.default_max_tokens = True
         return request
 
-    def finish(self, request: ChatRequest, fetched: dict[int, bytes]) -> tuple[bytes, int]:
+    def finish(self, request: GenerationRequest,
+               fetched: dict[int, bytes]) -> tuple[bytes, int]:
         """Prepare every image (cached), check the prompt length, serialise (blocking).
 
         Args:
@@ -165,13 +189,29 @@ class IntakeMiddleware:
                 image = prepare_image(encoded, self.image_policy, crops, ref.param,
                                       base64_payload=payload)
                 self.cache.put(key, image)
-            request.set_image_url(ref, image.url)
+            ref.set_url(image.url)
             sizes.append((image.width, image.height))
-        if self.budget is not None:
+        if self.budget is not None and request.messages is not None:
             self.budget.check(request, sizes)
         return self.serialize(request)
 
     @staticmethod
-    def serialize(request: ChatRequest) -> tuple[bytes, int]:
+    def serialize(request: GenerationRequest) -> tuple[bytes, int]:
         """The body forwarded to vLLM and its number of images."""
         return json.dumps(request.body).encode(), len(request.images)
+
+
+def unique_request_id_header(scope: Scope) -> Scope:
+    """``scope`` with a client's ``X-Request-Id`` made unique (:func:`check_request_id`):
+    vLLM names the response after it, so two requests sharing an id would share a response id.
+
+    Raises:
+        IntakeError: 400 naming ``X-Request-Id`` when the id is over 256 characters or holds
+            control characters.
+    """
+    headers = scope.get("headers") or []
+    if not any(name == REQUEST_ID_HEADER for name, _ in headers):
+        return scope
+    rewritten = [(name, check_request_id(value.decode("latin-1"), "X-Request-Id").encode(
+        "latin-1") if name == REQUEST_ID_HEADER else value) for name, value in headers]
+    return {**scope, "headers": rewritten}

@@ -14,6 +14,7 @@ but no longer tokenises to a special token or matches the image-placeholder patt
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,40 +42,79 @@ class RequestLimits:
 
 @dataclass
 class ImageRef:
-    """One ``image_url`` part: where it is in the body and its URL."""
+    """One image part of a request: the part object, where it is, and its URL.
 
-    message: int
-    part: int
+    Attributes:
+        part: the part's dict inside the request body (rewritten in place).
+        where: the part's path for error messages (``messages[0].content[1]``).
+        url: the image's URL as sent (a ``data:`` URL or one to fetch).
+        as_string: the protocol holds the URL as a bare string (Responses API
+            ``input_image.image_url``) rather than ``{"url": ...}`` (chat ``image_url``).
+    """
+
+    part: dict
+    where: str
     url: str
+    as_string: bool = False
 
     @property
     def param(self) -> str:
-        return f"messages[{self.message}].content[{self.part}].image_url"
+        """The request field of the image's URL, for error messages."""
+        return f"{self.where}.image_url"
 
     @property
     def is_data_url(self) -> bool:
         """A ``data:`` URL (decoded here) rather than a URL to fetch."""
         return self.url[:5].lower() == "data:"
 
+    def set_url(self, url: str) -> None:
+        """Point the part at ``url`` (the prepared image). A ``detail: null`` (the default,
+        which vLLM's schema refuses) is dropped."""
+        if self.as_string:
+            self.part["image_url"] = url
+            if self.part.get("detail", "") is None:
+                del self.part["detail"]
+            return
+        old = self.part["image_url"] if isinstance(self.part["image_url"], dict) else {}
+        self.part["image_url"] = {**{k: v for k, v in old.items()
+                                     if not (k == "detail" and v is None)}, "url": url}
+
 
 @dataclass
-class ChatRequest:
-    """A validated chat request body (mutable: the intake rewrites image URLs in place)."""
+class GenerationRequest:
+    """A validated generation request body (mutable: the intake rewrites image URLs in place).
+
+    Attributes:
+        body: the JSON body as forwarded to vLLM.
+        images: its image parts in order of appearance.
+        num_crops: the request's ``mm_processor_kwargs.num_crops``, or None (the server's).
+        messages: the prompt as chat messages (``role``, ``content`` as a string or a list
+            of ``{"type": "text", "text"}`` / ``{"type": "image_url"}`` parts) for the
+            prompt-length check; None for a raw completions prompt (vLLM counts it).
+        answer_fields: the body fields bounding the answer length, the preferred first
+            (chat: ``max_completion_tokens`` wins over ``max_tokens``, as in vLLM); the
+            server's default goes into the last one.
+        prompt_field: the body field holding the prompt (named by a context-length error).
+        default_max_tokens: the client set none of them and the intake put the server's
+            default in (clamped to the context by the budget).
+    """
 
     body: dict[str, Any]
     images: list[ImageRef]
     num_crops: int | None
-    #: True when the client set neither max_tokens nor max_completion_tokens and the intake
-    #: put the server's default in ``max_tokens`` (clamped to the context by the budget).
+    messages: list[dict] | None = None
+    answer_fields: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
+    prompt_field: str = "messages"
     default_max_tokens: bool = False
 
-    def set_image_url(self, ref: ImageRef, url: str) -> None:
-        """Point an image part at ``url`` (the prepared image); a ``detail: null`` (the
-        default, which vLLM's schema refuses) is dropped."""
-        part = self.body["messages"][ref.message]["content"][ref.part]
-        old = part["image_url"] if isinstance(part["image_url"], dict) else {}
-        part["image_url"] = {**{k: v for k, v in old.items()
-                                if not (k == "detail" and v is None)}, "url": url}
+    def answer_tokens(self) -> tuple[str, int | None]:
+        """The answer-length field in use and its value: the first of :attr:`answer_fields`
+        that is set, else the last; the value is None when it is not an integer (vLLM then
+        validates the field itself)."""
+        field = next((f for f in self.answer_fields if self.body.get(f)),
+                     self.answer_fields[-1])
+        value = self.body.get(field)
+        return field, value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def neutralise(text: str) -> str:
@@ -114,13 +154,27 @@ def _check_part(part: Any, role: str, i: int, j: int, images: list[ImageRef]) ->
         if role != "user":
             raise IntakeError(400, f"images are accepted in user messages only, not {role}",
                               param)
-        images.append(ImageRef(i, j, _image_url(part, param)))
+        images.append(ImageRef(part, param, _image_url(part, param)))
     else:
         raise IntakeError(400, f"content part type {kind!r} is not supported; use 'text' or "
                           "'image_url'", f"{param}.type")
 
 
-def _check_num_crops(body: dict, limits: RequestLimits) -> int | None:
+def check_role(message: dict, roles, where: str) -> str:
+    """The message's ``role`` when it is one of ``roles``, else a 400 naming ``<where>.role``."""
+    role = message.get("role")
+    if role not in roles:
+        raise IntakeError(400, f"role must be one of {', '.join(roles)}; got {role!r}",
+                          f"{where}.role")
+    return role
+
+
+def check_num_crops(body: dict, limits: RequestLimits) -> int | None:
+    """The request's ``mm_processor_kwargs.num_crops`` (None: the server's).
+
+    Raises:
+        IntakeError: 400 for other keys or a value outside 1..``max_num_crops``.
+    """
     kwargs = body.get("mm_processor_kwargs")
     if kwargs is None:
         return None
@@ -137,7 +191,7 @@ def _check_num_crops(body: dict, limits: RequestLimits) -> int | None:
     return crops
 
 
-def parse_chat_request(body: Any, limits: RequestLimits) -> ChatRequest:
+def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
     """Validate a decoded ``/v1/chat/completions`` body; neutralises control sequences.
 
     Returns:
@@ -151,19 +205,12 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise IntakeError(400, "messages must be a non-empty list", "messages")
-    n = body.get("n", 1)
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1
-                          or n > limits.max_n):
-        raise IntakeError(400, f"n must be an integer from 1 to {limits.max_n} (each choice is "
-                          "a full generation; send separate requests instead)", "n")
+    check_common(body, limits)
     images: list[ImageRef] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise IntakeError(400, "each message must be an object", f"messages[{i}]")
-        role = message.get("role")
-        if role not in ROLES:
-            raise IntakeError(400, f"role must be one of {', '.join(ROLES)}; got {role!r}",
-                              f"messages[{i}].role")
+        role = check_role(message, ROLES, f"messages[{i}]")
         content = message.get("content")
         if isinstance(content, str):
             message["content"] = neutralise(content)
@@ -176,9 +223,66 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> ChatRequest:
         else:
             raise IntakeError(400, "content must be a string or a list of parts (null is not "
                               "accepted)", f"messages[{i}].content")
+    check_image_count(images, limits)
+    return GenerationRequest(body, images, check_num_crops(body, limits), messages)
+
+
+#: Longest client-chosen request id (header ``X-Request-Id`` or body ``request_id``), characters.
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(value: Any, param: str) -> str:
+    """A client-chosen request id made unique: ``<value>-<8 hex digits>``, so two requests
+    sent with the same id get distinct response ids (vLLM builds them from it) while the
+    client's id stays visible in logs and answers.
+
+    Raises:
+        IntakeError: 400 naming ``param`` for a non-string, an id over
+            :data:`MAX_REQUEST_ID_CHARS` characters, or one holding control characters.
+    """
+    if not isinstance(value, str) or not value:
+        raise IntakeError(400, "a request id must be a non-empty string", param)
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        raise IntakeError(400, f"a request id is at most {MAX_REQUEST_ID_CHARS} characters; "
+                          f"got {len(value)}", param)
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
+        raise IntakeError(400, "a request id must not contain control characters", param)
+    return f"{value}-{secrets.token_hex(4)}"
+
+
+def check_common(body: dict, limits: RequestLimits) -> None:
+    """Checks every generation route shares: ``n`` and a client-chosen ``request_id`` (made
+    unique in place, see :func:`check_request_id`).
+
+    Raises:
+        IntakeError: 400 naming the field.
+    """
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1
+                          or n > limits.max_n):
+        raise IntakeError(400, f"n must be an integer from 1 to {limits.max_n} (each choice is "
+                          "a full generation; send separate requests instead)", "n")
+    if body.get("request_id") is not None:
+        body["request_id"] = check_request_id(body["request_id"], "request_id")
+
+
+def check_image_count(images: list[ImageRef], limits: RequestLimits) -> None:
+    """Raises a 400 naming the first image part over ``limits.max_images``."""
     if len(images) > limits.max_images:
-        first_over = images[limits.max_images]
         raise IntakeError(400, f"{len(images)} images in one request; the limit is "
                           f"{limits.max_images} images per request",
-                          f"messages[{first_over.message}].content[{first_over.part}]")
-    return ChatRequest(body, images, _check_num_crops(body, limits))
+                          images[limits.max_images].where)
+
+
+def parse_completion_request(body: Any, limits: RequestLimits) -> GenerationRequest:
+    """Validate a decoded ``/v1/completions`` body: the shared checks only. Its prompt is raw
+    text (the client writes the chat template, control tokens included, by design) and
+    carries no images; vLLM validates and counts it.
+
+    Raises:
+        IntakeError: 400 naming the offending field.
+    """
+    if not isinstance(body, dict):
+        raise IntakeError(400, "request body must be a JSON object")
+    check_common(body, limits)
+    return GenerationRequest(body, [], None, None, ("max_tokens",), "prompt")

@@ -1,0 +1,77 @@
+"""The two SSE dialects of vLLM's generation routes (pure data and byte tests, no parsing).
+
+- **chat** (``/v1/chat/completions``, ``/v1/completions``): ``data: {chunk}`` events, a normal
+  end is ``data: [DONE]``, an error is ``data: {"error": {...}}`` (OpenAI's convention; the
+  ``openai`` SDK raises ``APIError`` on it).
+- **responses** (``/v1/responses``): ``event: <type>`` + ``data: {...}`` events with a
+  ``sequence_number``; a normal end is ``response.completed`` or ``response.incomplete``
+  (answer cut by ``max_output_tokens``), an error is ``error`` or ``response.failed``
+  (OpenAI Responses streaming reference; the SDK yields a ``ResponseErrorEvent``).
+
+vLLM writes compact JSON in which a newline never occurs unescaped, so a marker at the start
+of an event (or after a newline) cannot come from answer text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from serve.errors import error_body
+from serve.routes import CHAT, COMPLETIONS, GENERATION_ROUTES, RESPONSES
+
+
+@dataclass(frozen=True)
+class SseDialect:
+    """How one protocol's event stream ends and fails.
+
+    Attributes:
+        name: the protocol (``serve.routes``).
+        done: event prefixes of a normal end of stream.
+        error: event prefixes of an error event (the stream ends after it); the chat dialect
+            has none (its errors are recognised by parsing the JSON, see ``streamguard``).
+        chunks: the events are chat/completions chunks (``choices``, ``finish_reason``).
+        tokens: event prefixes of events that carry answer tokens (TTFT and ITL are timed on
+            them); empty: every event (a chat chunk is sent per engine step).
+    """
+
+    name: str
+    done: tuple[bytes, ...]
+    error: tuple[bytes, ...]
+    chunks: bool
+    tokens: tuple[bytes, ...] = ()
+
+    def carries_tokens(self, data: bytes) -> bool:
+        """Whether a streamed message (one or more events) carries answer tokens."""
+        return not self.tokens or _holds(data, self.tokens)
+
+    def has_done(self, data: bytes) -> bool:
+        """Whether ``data`` (any slice of the stream, one or more events) holds a normal end."""
+        return _holds(data, self.done)
+
+    def error_event(self, message: str, sequence_number: int = 0) -> bytes:
+        """One SSE error event of this dialect (an OpenAI-style ``server_error``)."""
+        if self.chunks:
+            return b"data: " + json.dumps(error_body(500, message, "server_error")).encode() \
+                + b"\n\n"
+        data = {"type": "error", "code": "server_error", "message": message, "param": None,
+                "sequence_number": sequence_number}
+        return b"event: error\ndata: " + json.dumps(data).encode() + b"\n\n"
+
+
+def _holds(data: bytes, prefixes: tuple[bytes, ...]) -> bool:
+    """Whether an event of ``data`` starts with one of ``prefixes``."""
+    return any(data.startswith(m) or b"\n" + m in data for m in prefixes)
+
+
+CHAT_SSE = SseDialect(CHAT, (b"data: [DONE]",), (), chunks=True)
+RESPONSES_SSE = SseDialect(
+    RESPONSES, (b"event: response.completed", b"event: response.incomplete"),
+    (b"event: error", b"event: response.failed"), chunks=False,
+    tokens=(b"event: response.output_text.delta",))
+DIALECTS = {CHAT: CHAT_SSE, COMPLETIONS: CHAT_SSE, RESPONSES: RESPONSES_SSE}
+
+
+def dialect(path: str | None) -> SseDialect:
+    """The SSE dialect of a request path (the chat dialect for any other path)."""
+    return DIALECTS[GENERATION_ROUTES.get(path, CHAT)]
