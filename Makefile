@@ -18,12 +18,14 @@ UI_PY := $(UI_VENV)/bin/python
 UI_STAMP := $(UI_VENV)/.installed
 UI_PORT ?= 8080
 
-.PHONY: install demo serve serve-full model test clean help system-deps ui-install ui monitoring-check prometheus bench bench-autotune
+.PHONY: install demo serve serve-full model test test-fast clean help system-deps ui-install ui monitoring-check prometheus bench bench-autotune lint
 
 help:
 	@echo "make demo   - API + chat UI on the tiny model; prints both URLs when ready (login demo/demo)"
 	@echo "make ui     - the chat UI on http://$(HOST):$(UI_PORT) against a running API (own venv ui/.venv)"
 	@echo "make test   - run the test suite (real tiny engine on CPU)"
+	@echo "make test-fast - the unit tier only (no engine, no browser; under a minute)"
+	@echo "make lint   - ruff (configured in pyproject.toml) over the whole tree"
 	@echo "make bench  - our stack against raw vLLM on the same engine (~10 min); prints the ratios"
 	@echo "make serve  - serve the real $(notdir $(REAL_MODEL)) from WEIGHTS=$(WEIGHTS)"
 
@@ -78,6 +80,12 @@ system-deps:
 	  $$SUDO apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium prometheus; \
 	fi
+
+lint: install
+	$(PY) -m ruff check .
+
+test-fast: install model
+	$(PY) -m pytest -q tests/unit
 
 test: install model ui-install system-deps
 	$(PY) -m pytest -q

@@ -52,11 +52,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from serve.admission.middleware import SloTargets
-from serve.settings import Settings
-
 from bench.sim import RequestResult, RunResult, Setup, simulate
 from bench.trace import Trace, cpu_trace, phase_trace
+from serve.admission.middleware import SloTargets
+from serve.settings import Settings
 
 #: Static limits compared with ``auto`` (requests): powers of two up to the GPU ceiling.
 STATIC_LIMITS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -202,7 +201,7 @@ def plot_limit(run: RunResult, trace: Trace, path: Path, oracle_limits: dict[str
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(10, 4))
-    t, limits = zip(*run.limits)
+    t, limits = zip(*run.limits, strict=False)
     ax.step(t, limits, where="post", label="auto: limit L")
     start = 0.0
     for i, phase in enumerate(trace.phases):
@@ -304,10 +303,10 @@ def limit_timeline(limits: list[tuple[float, int]], trace: Trace, step_s: float 
         end = start + phase.duration_s
         ticks, t = [], start
         while t < end:
-            seen = [l for s, l in limits if s <= t]
+            seen = [limit for s, limit in limits if s <= t]
             ticks.append(str(seen[-1]) if seen else ".")
             t += step_s
-        inside = [l for s, l in limits if start <= s < end]
+        inside = [limit for s, limit in limits if start <= s < end]
         mean = f"{sum(inside) / len(inside):.1f}" if inside else "-"
         lines.append(f"  {phase.name:>9} (t={start:3.0f}-{end:3.0f} s, mean {mean:>4}): "
                      + " ".join(f"{x:>2}" for x in ticks))
@@ -406,7 +405,7 @@ def cpu_engine_benchmark(out: Path, seed: int = 0, urls: list[str] | None = None
                     "args": setting.args, "ready_s": ready_s, "foreign_cores": foreign,
                     "quiet_wait_s": waited, "attempt": attempt + 1}))
                 good = sum(r.good(slo) for r in replay.results)
-                lims = [l for _, l in replay.limits]
+                lims = [limit for _, limit in replay.limits]
                 print(f"  {setting.label:>5}: ready in {ready_s:.0f} s, replay "
                       f"{replay.end_s:.0f} s (run {time.monotonic() - t0:.0f} s, waited "
                       f"{waited:.0f} s for a quiet machine), good {good}/"
@@ -425,11 +424,11 @@ def cpu_engine_benchmark(out: Path, seed: int = 0, urls: list[str] | None = None
     statics = [row for row in rows if row.label != "auto"]
     report = CpuReport(rows, replays, max(statics, key=lambda s: s.goodput_per_s, default=None),
                        *(oracle(statics, trace) if statics else (None, {})))
-    noisy = [r.label for r, info in zip(replays, extra)
+    noisy = [r.label for r, info in zip(replays, extra, strict=False)
              if (info.get("foreign_cores") or 0.0) > NOISY_CORES]
     print(f"cpu engine: SLO TTFT {slo.ttft_s:g} s, ITL {slo.itl_s:g} s")
     print(format_table(rows))
-    for replay, row in zip(replays, rows):
+    for replay in replays:
         if replay.mode == "auto":
             print("auto's limit every 2.5 s (polled /admin/autotuner), by phase:")
             print(limit_timeline(replay.limits, trace))
@@ -444,7 +443,7 @@ def cpu_engine_benchmark(out: Path, seed: int = 0, urls: list[str] | None = None
         "slo": asdict(slo), "phases": [asdict(p) for p in trace.phases],
         "runs": [{**asdict(row), **info, "limits": replay.limits, "cut_off": replay.cut_off,
                   "config": replay.config, "requests": [_outcome(r) for r in replay.results]}
-                 for row, replay, info in zip(rows, replays, extra)],
+                 for row, replay, info in zip(rows, replays, extra, strict=False)],
         "oracle": {"goodput_per_s": report.oracle_goodput_per_s,
                    "limits": report.oracle_limits}}, indent=1))
     print(f"cpu engine: {time.monotonic() - t_start:.0f} s in all; results: "

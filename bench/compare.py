@@ -43,8 +43,17 @@ from pathlib import Path
 
 from bench import workloads as w
 from bench.autotune import percentile
-from bench.cpu_engine import (IMAGES_DIR, ROOT, EngineServer, ensure_tiny_model,
-                              free_port, real_photos, start_process, start_server, stop_server)
+from bench.cpu_engine import (
+    IMAGES_DIR,
+    ROOT,
+    EngineServer,
+    ensure_tiny_model,
+    free_port,
+    real_photos,
+    start_process,
+    start_server,
+    stop_server,
+)
 
 #: W1's prompts per segment, by kind and concurrency. A cell runs 4 segments per side (2 when a
 #: segment holds 64 prompts), the order of the sides alternating: ~5 min in all on this CPU.
@@ -175,7 +184,7 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
                 flush=True)
 
     # W2: distinct phone photos, one at a time.
-    for part, order in zip(halves(w2), (("ours", "raw"), ("raw", "ours"))):
+    for part, order in zip(halves(w2), (("ours", "raw"), ("raw", "ours")), strict=False):
         for name in order:
             res = run(w.photo_ttft(pair[name], model, part))
             out[name].setdefault("w2_ttft_s", []).extend(_ttfts(res))
@@ -194,12 +203,12 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
         f"{n} {out[n]['memory']['peak_bytes'] / 2**20:.0f} MiB" for n in pair), flush=True)
 
     # W3: multi-turn conversations re-sending every earlier image.
-    for part, order in zip(halves(w3), (("ours", "raw"), ("raw", "ours"))):
+    for part, order in zip(halves(w3), (("ours", "raw"), ("raw", "ours")), strict=False):
         for name in order:
             for turns in run(w.multiturn(pair[name], model, part)):
                 out[name].setdefault("w3_ttft_s", []).append(_ttfts(turns))
     print("W3 multi-turn TTFT p50 by turn: " + ", ".join(
-        f"{n} " + "/".join(f"{statistics.median(t):.2f}" for t in zip(*out[n]["w3_ttft_s"]))
+        f"{n} " + "/".join(f"{statistics.median(t):.2f}" for t in _by_turn(out[n]["w3_ttft_s"]))
         for n in pair), flush=True)
 
     # W5: ITL of 4 running text streams while photos arrive, repeated with fresh photos.
@@ -249,7 +258,7 @@ def summarize(m: dict) -> dict:
         "burst_makespan": o["w4"]["makespan_s"] / r["w4"]["makespan_s"],
         # Paired like W1: the median over repeats of the two sides' back-to-back p99 ratio.
         "itl_p99": statistics.median(a / b for a, b in zip(o["w5_p99_by_repeat_s"],
-                                                            r["w5_p99_by_repeat_s"])),
+                                                            r["w5_p99_by_repeat_s"], strict=False)),
         "rss_peak": o["memory"]["peak_bytes"] / r["memory"]["peak_bytes"],
         "burst_non200": o["w4"]["non200"],
         "ours/sequential throughput@16": (o["w1"]["text"]["16"]["request_throughput"]
@@ -263,10 +272,16 @@ def paired_ratio(ours: dict, raw: dict, key: str) -> float:
     """ours/raw of one W1 cell: the median over its segments of the ratio of the two sides'
     runs of the same prompts, back to back (a slow spell of the machine then skews one pair,
     not the cell); the pooled ratio where segments are not recorded."""
-    pairs = list(zip(ours.get("segments", []), raw.get("segments", [])))
+    pairs = list(zip(ours.get("segments", []), raw.get("segments", []), strict=False))
     if not pairs:
         return ours[key] / raw[key]
     return statistics.median(a[key] / b[key] for a, b in pairs)
+
+
+def _by_turn(conversations: list[list[float]]) -> list[tuple[float, ...]]:
+    """Per-conversation TTFTs regrouped by turn (turn 1 of every conversation, then turn 2...);
+    as many turns as the shortest conversation has."""
+    return list(zip(*conversations, strict=False))
 
 
 def _flat(conversations: list[list[float]]) -> list[float]:
@@ -318,7 +333,8 @@ def table(m: dict, s: dict) -> str:
          f"{med(o['w2_ttft_s']):.3f}", q["photo_ttft"]),
         *[(f"W3 multi-turn, turn {k + 1} ({k + 1} photos): TTFT p50 (s)", f"{med(b):.3f}",
            f"{med(a):.3f}", med(a) / med(b))
-          for k, (a, b) in enumerate(zip(zip(*o["w3_ttft_s"]), zip(*r["w3_ttft_s"])))],
+          for k, (a, b) in enumerate(zip(_by_turn(o["w3_ttft_s"]), _by_turn(r["w3_ttft_s"]),
+                                         strict=False))],
         ("W3 all turns: TTFT p50 (s)", f"{med(_flat(r['w3_ttft_s'])):.3f}",
          f"{med(_flat(o['w3_ttft_s'])):.3f}", q["multiturn_ttft"]),
         (f"W4 burst of {o['w4']['n']} at idle: makespan (s), non-200",

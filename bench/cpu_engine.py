@@ -222,7 +222,7 @@ async def replay_http(trace: Trace, base_url: str, bodies: list[bytes] | None = 
 
         poller = asyncio.create_task(poll())
         tasks = [asyncio.create_task(_replay_one(client, r, b, start))
-                 for r, b in zip(trace.requests, bodies)]
+                 for r, b in zip(trace.requests, bodies, strict=False)]
         deadline = trace.duration_s + drain_s
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, start + deadline
                                                            - time.monotonic()))

@@ -37,17 +37,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from serve.admission import controller_config
+from bench.trace import Trace, TraceRequest
 from serve.admission.autotuner import Autotuner
 from serve.admission.capacity import kv_safe_seqs
 from serve.admission.controller import Controller, ControllerConfig, Decision
-from serve.admission.limiter import (QUEUE_FULL, QUEUE_TIMEOUT, SLO as SLO_REJECT,
-                                     AdmissionLimiter, Slot)
+from serve.admission.limiter import QUEUE_FULL, QUEUE_TIMEOUT, AdmissionLimiter, Slot
+from serve.admission.limiter import SLO as SLO_REJECT
 from serve.admission.middleware import SloTargets
+from serve.admission.service import controller_config
 from serve.admission.signals import EngineStatsFeed
 from serve.settings import Settings
-
-from bench.trace import Trace, TraceRequest
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ class StreamResult:
     @property
     def itls_s(self) -> list[float]:
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
 
 
 async def stream_chat(client: httpx.AsyncClient, base_url: str, body: bytes) -> StreamResult:
@@ -321,7 +321,7 @@ def pool_runs(runs: list[dict]) -> dict:
     ``p99_itl_ms``.
     """
     duration = sum(r["duration"] for r in runs)
-    ttfts = [t for r in runs for t, e in zip(r["ttfts"], r["errors"]) if not e]
+    ttfts = [t for r in runs for t, e in zip(r["ttfts"], r["errors"], strict=False) if not e]
     itls = [i for r in runs for per in r["itls"] for i in per]
     return {
         "completed": sum(r["completed"] for r in runs),

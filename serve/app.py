@@ -41,11 +41,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve import engine as engine_mod
 from serve import http_metrics
-from serve.admission import Admission
+from serve.admission.service import Admission
 from serve.asgi import BodyLimitMiddleware
 from serve.auth import ApiKeys, unauthorized
 from serve.errors import openai_error
-from serve.intake import Intake
+from serve.intake.service import Intake
 from serve.routes import CLOSED, OPTIONAL, RouteTable
 from serve.settings import Settings
 from serve.streamguard import StreamGuardMiddleware
@@ -259,7 +259,7 @@ class Gateway:
             self._exit_stack.push_async_callback(self.admission.autotuner.stop)
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - any boot failure is fatal and reported
+        except BaseException as exc:
             self.state.phase = Phase.FAILED
             self.state.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine failed to start")

@@ -1,10 +1,17 @@
-"""Small ASGI helpers shared by the request layers: buffered bodies and their replay."""
+"""Small ASGI helpers shared by the request layers: buffered bodies and their replay, and the
+scope keys the layers share."""
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.errors import openai_error
+
+#: ASGI scope key carrying the request's image count from the intake to the layers behind it.
+IMAGES_SCOPE_KEY = "phi3v.images"
+#: ASGI scope key of a per-request dict shared by every layer (scope copies keep the same
+#: dict): admission sets ``client_left`` there when the client disconnected before the answer.
+REQUEST_STATE_KEY = "phi3v.request"
 
 
 class ClientGone(Exception):

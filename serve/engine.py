@@ -70,7 +70,7 @@ def vllm_cli_args(settings: Settings) -> list[str]:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
-    options = parser._option_string_actions  # noqa: SLF001 - argparse's own flag table
+    options = parser._option_string_actions
     argv: list[str] = []
     for key, value in settings.engine_kwargs().items():
         flag = "--" + key.replace("_", "-")

@@ -7,8 +7,6 @@ Shape (as the OpenAI API and vLLM's ``ErrorResponse``)::
 
 from __future__ import annotations
 
-from starlette.responses import JSONResponse
-
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
     """The JSON body of an OpenAI-style error (``code`` is the HTTP status)."""
@@ -21,7 +19,9 @@ def openai_error(
     type_: str = "invalid_request_error",
     param: str | None = None,
     headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """A JSON response carrying :func:`error_body` with HTTP ``status``."""
+):
+    """A Starlette ``JSONResponse`` carrying :func:`error_body` with HTTP ``status``."""
+    from starlette.responses import JSONResponse  # error_body stays importable without it
+
     return JSONResponse(error_body(status, message, type_, param), status_code=status,
                         headers=headers)

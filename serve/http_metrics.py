@@ -5,15 +5,18 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge
 from starlette.types import Message, Scope, Send
 
+from serve.asgi import REQUEST_STATE_KEY
+from serve.routes import GENERATION_ROUTES
+
 #: Routes with their own label value; everything else is ``other``.
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+ROUTES = (*GENERATION_ROUTES, "/v1/models")
 
 RESPONSES = Counter("phi3v_http_responses",
                     "HTTP responses by route and status code, the gateway's own 401/413/429/503 "
                     "included.", ["route", "code"])
 READY = Gauge("phi3v_ready", "1 while /ready answers 200 (the engine can serve), else 0.")
 
-for _route in ROUTES[:2]:
+for _route in GENERATION_ROUTES:
     for _code in ("200", "400", "429", "500", "503"):
         RESPONSES.labels(route=_route, code=_code)
 
@@ -23,9 +26,6 @@ def route_label(path: str) -> str:
     return path if path in ROUTES else "other"
 
 
-#: ASGI scope key of a per-request dict shared by every layer (scope copies keep the same
-#: dict): admission sets ``client_left`` there when the client disconnected before the answer.
-REQUEST_STATE_KEY = "phi3v.request"
 #: ``code`` label of a response that starts after its client left (nginx's convention).
 CLIENT_CLOSED = "499"
 

@@ -1,8 +1,8 @@
 """The route table: what every path of vLLM's OpenAI app gets from this server (pure data).
 
 vLLM's app serves ~35 routes, from chat completions to elastic scaling. A route this table does
-not name is closed, and ``tests/test_routes.py`` builds vLLM's real app and fails on any route
-it does not classify, so a vLLM upgrade can never open a door silently.
+not name is closed, and ``tests/engine/test_routes_live.py`` builds vLLM's real app and fails
+on any route it does not classify, so a vLLM upgrade can never open a door silently.
 
 Policies:
 

@@ -180,7 +180,8 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(
         2048, ge=1,
         description="max_tokens of a chat request that sets neither max_tokens nor "
-        "max_completion_tokens (max_output_tokens of a Responses request), clamped to what max_model_len leaves after the prompt "
+        "max_completion_tokens (max_output_tokens of a Responses request), clamped to what "
+        "max_model_len leaves after the prompt "
         "(without it vLLM generates until the context is full).",
     )
     max_num_crops: int = Field(

@@ -164,7 +164,7 @@ class StreamGuardMiddleware:
 
         try:
             await self.app(scope, receive, guarded)
-        except Exception:  # noqa: BLE001 - after the stream started, report it in-band
+        except Exception:
             if stream is None or finished:
                 raise
             log.exception("streamed response failed after it started")

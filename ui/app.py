@@ -18,22 +18,22 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent.parent) not in sys.path:  # `chainlit run ui/app.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import chainlit as cl  # noqa: E402
-from chainlit.config import SpontaneousFileUploadFeature  # noqa: E402
-from chainlit.config import config as chainlit_config  # noqa: E402
-from chainlit.data import get_data_layer  # noqa: E402
-from chainlit.data.sql_alchemy import SQLAlchemyDataLayer  # noqa: E402
-from chainlit.input_widget import NumberInput, Slider  # noqa: E402
-from chainlit.server import app as chainlit_app  # noqa: E402
+import chainlit as cl
+from chainlit.config import SpontaneousFileUploadFeature
+from chainlit.config import config as chainlit_config
+from chainlit.data import get_data_layer
+from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
+from chainlit.input_widget import NumberInput, Slider
+from chainlit.server import app as chainlit_app
 
-from ui import auth, db, history, images  # noqa: E402
-from ui.api import ApiClient, ServerLimits, Token, Usage  # noqa: E402
-from ui.errors import ApiError  # noqa: E402
-from ui.history import ANSWER_KEY, Conversation, HistoryImage, Turn  # noqa: E402
-from ui.settings import UISettings  # noqa: E402
-from ui.stats import AnswerStats  # noqa: E402
-from ui.storage import LocalStorageClient, add_file_route  # noqa: E402
-from ui.uploads import EmptyUploadGuard  # noqa: E402
+from ui import auth, db, history, images
+from ui.api import ApiClient, ServerLimits, Token, Usage
+from ui.errors import ApiError
+from ui.history import ANSWER_KEY, Conversation, HistoryImage, Turn
+from ui.settings import UISettings
+from ui.stats import AnswerStats
+from ui.storage import LocalStorageClient, add_file_route
+from ui.uploads import EmptyUploadGuard
 
 #: OpenAI's temperature range.
 TEMPERATURE_MIN, TEMPERATURE_MAX = 0.0, 2.0

@@ -123,7 +123,7 @@ class Autotuner:
             await asyncio.sleep(self.interval_s)
             try:
                 self.tick()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("autotuner tick failed")
 
     def start(self) -> None:

@@ -26,10 +26,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.admission import metrics
 from serve.admission.limiter import AdmissionLimiter, Rejected
-from serve.asgi import ClientGone, read_body, replay
+from serve.asgi import IMAGES_SCOPE_KEY, REQUEST_STATE_KEY, ClientGone, read_body, replay
 from serve.errors import openai_error
-from serve.http_metrics import REQUEST_STATE_KEY
-from serve.intake.middleware import IMAGES_SCOPE_KEY
 from serve.routes import GENERATION_ROUTES
 from serve.sse import CHAT_SSE, SseDialect, dialect
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from starlette.responses import JSONResponse
-
 from serve.errors import error_body
 
 
@@ -26,8 +24,10 @@ class IntakeError(Exception):
         self.param = param
         self.code = code
 
-    def response(self) -> JSONResponse:
-        """The HTTP response for this error."""
+    def response(self):
+        """The HTTP response for this error (a Starlette ``JSONResponse``)."""
+        from starlette.responses import JSONResponse  # the rules above stay stdlib-only
+
         body = error_body(self.status, self.message, "invalid_request_error", self.param)
         if self.code:
             body["error"]["code"] = self.code

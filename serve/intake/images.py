@@ -206,7 +206,7 @@ def _open_checked(raw: bytes, policy: ImagePolicy, param: str) -> Image.Image:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(raw))  # header only: no pixel decoded yet
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
         # Pillow's own header check fired (its threshold is above max_pixels by default).
         raise IntakeError(413, f"image has more pixels than the limit of {policy.max_pixels} "
                           "pixels", param, code="image_too_large") from None

@@ -21,10 +21,10 @@ import logging
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve.asgi import ClientGone, read_body, replay, with_content_length
+from serve.asgi import IMAGES_SCOPE_KEY, ClientGone, read_body, replay, with_content_length
 from serve.intake.budget import PromptBudget
-from serve.intake.errors import IntakeError
 from serve.intake.cache import ImageCache, image_key
+from serve.intake.errors import IntakeError
 from serve.intake.images import ImagePolicy, data_url_payload, decode_base64, prepare_image
 from serve.intake.request import (
     GenerationRequest,
@@ -42,8 +42,6 @@ log = logging.getLogger("serve.intake")
 PARSERS = {CHAT: parse_chat_request, COMPLETIONS: parse_completion_request,
            RESPONSES: parse_responses_request}
 REQUEST_ID_HEADER = b"x-request-id"
-#: ASGI scope key carrying the request's image count to the layers behind the intake.
-IMAGES_SCOPE_KEY = "phi3v.images"
 #: Largest body handled on the event loop when it has no images (a text chat): parsing it takes
 #: microseconds, less than a hop to a worker thread.
 INLINE_MAX_BYTES = 16 * 1024

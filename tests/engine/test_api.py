@@ -20,7 +20,7 @@ from openai import OpenAI
 from PIL import Image
 
 from serve.models.remote_code.processing_phi3_v import hd_transform_size, num_image_tokens
-from tests.conftest import data_url, png_bytes
+from tests.helpers import data_url, png_bytes
 
 NUM_CROPS = 1  # the server's CPU default (serve/settings.py)
 QUESTION = "What is in this image?"
@@ -178,7 +178,7 @@ async def test_16_concurrent_streams_with_distinct_images(server, images):
         results = await asyncio.gather(*[
             stream_chat(client, server, [user_message(QUESTION, data_url(raw))])
             for _, raw in variants])
-    for (name, raw), res in zip(variants, results):
+    for (name, raw), res in zip(variants, results, strict=False):
         assert res["status"] == 200, name
         assert res["done"], f"{name}: no [DONE]"
         assert res["finish"], f"{name}: no finish_reason"

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from serve.admission.capacity import (TEXT_TOKENS_PER_REQUEST, kv_safe_seqs, max_image_tokens,
-                                      tokens_per_request)
+from serve.admission.capacity import (
+    TEXT_TOKENS_PER_REQUEST,
+    kv_safe_seqs,
+    max_image_tokens,
+    tokens_per_request,
+)
 from serve.intake.budget import image_tokens
 
 
@@ -28,7 +32,7 @@ def test_kv_safe_seqs_divides_and_clamps():
 
 
 def test_auto_starts_at_the_kv_safe_capacity_unless_a_limit_is_set():
-    from serve.admission import Admission
+    from serve.admission.service import Admission
     from serve.settings import Settings
 
     per = tokens_per_request(1)

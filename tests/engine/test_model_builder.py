@@ -30,7 +30,7 @@ from serve.models import build as builder  # noqa: E402
 from serve.models import tokenizer as tk  # noqa: E402
 from serve.models.remote_code import processing_phi3_v as proc  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT.parent / "shared" / "images"
 
 #: Engine check limit (s). Measured on 2 cores: ~24 s in all (import ~12 s, engine start ~5 s with
@@ -82,7 +82,12 @@ def expected_tokens(width: int, height: int, num_crops: int) -> int:
 
 def portrait_photo() -> Image.Image:
     """A real photo in portrait orientation (rocket.jpg is 640x427 landscape): 214x640."""
-    return Image.open(IMAGES / "rocket.jpg").convert("RGB").transpose(Image.Transpose.ROTATE_90).resize((214, 640))
+    return (
+        Image.open(IMAGES / "rocket.jpg")
+        .convert("RGB")
+        .transpose(Image.Transpose.ROTATE_90)
+        .resize((214, 640))
+    )
 
 
 # --------------------------------------------------------------------------- processor
@@ -105,11 +110,22 @@ def test_reference_token_counts(width, height, num_crops, tokens):
 
 
 def test_formula_matches_independent_restatement():
-    sizes = [(1, 1), (2000, 8), (8, 2000), (451, 300), (214, 640), (336, 335), (337, 336), (5000, 17), (640, 427)]
+    sizes = [
+        (1, 1),
+        (2000, 8),
+        (8, 2000),
+        (451, 300),
+        (214, 640),
+        (336, 335),
+        (337, 336),
+        (5000, 17),
+        (640, 427),
+    ]
     for k in (1, 2, 4, 9, 16):
         for w, h in sizes:
-            assert proc.Phi3VImageProcessor(num_crops=k).calc_num_image_tokens_from_image_size(w, h) == \
-                expected_tokens(w, h, k), (w, h, k)
+            assert proc.Phi3VImageProcessor(num_crops=k).calc_num_image_tokens_from_image_size(
+                w, h
+            ) == expected_tokens(w, h, k), (w, h, k)
 
 
 IMAGE_CASES = {
@@ -117,7 +133,9 @@ IMAGE_CASES = {
     "portrait": portrait_photo,
     "one_pixel": lambda: Image.open(IMAGES / "one_pixel.png"),
     "strip": lambda: Image.open(IMAGES / "strip_2000x8.png"),
-    "tall_strip": lambda: Image.open(IMAGES / "strip_2000x8.png").transpose(Image.Transpose.ROTATE_90),
+    "tall_strip": lambda: Image.open(IMAGES / "strip_2000x8.png").transpose(
+        Image.Transpose.ROTATE_90
+    ),
     "gray16": lambda: Image.open(IMAGES / "gray_16bit.png"),
     "rgba": lambda: Image.open(IMAGES / "coffee_rgba.png"),
 }
@@ -141,14 +159,21 @@ def test_processor_shapes(case, num_crops):
     elif image.width > image.height:
         assert pad_w >= pad_h
     tokens = (h_tiles * w_tiles + 1) * 144 + 1 + (h_tiles + 1) * 12
-    assert ip.calc_num_image_tokens_from_image_size(*image.size) == tokens == int(out["num_img_tokens"][0])
+    assert (
+        ip.calc_num_image_tokens_from_image_size(*image.size)
+        == tokens
+        == int(out["num_img_tokens"][0])
+    )
     used = 1 + h_tiles * w_tiles
     assert torch.count_nonzero(pv[0, used:]) == 0  # zero padding crops
     assert torch.count_nonzero(pv[0, :used].flatten(1), dim=1).min() > 0
 
 
 def _norm(rgb):
-    return [(c / 255 - m) / s for c, m, s in zip(rgb, proc.OPENAI_CLIP_MEAN, proc.OPENAI_CLIP_STD)]
+    return [
+        (c / 255 - m) / s
+        for c, m, s in zip(rgb, proc.OPENAI_CLIP_MEAN, proc.OPENAI_CLIP_STD, strict=False)
+    ]
 
 
 def test_crops_are_row_major_normalised_and_white_padded():
@@ -159,8 +184,11 @@ def test_crops_are_row_major_normalised_and_white_padded():
     pv = proc.Phi3VImageProcessor(num_crops=4)(image)["pixel_values"][0]
     for i, c in enumerate(colours):
         centre = pv[1 + i, :, 100:236, 100:236]
-        assert torch.allclose(centre, torch.tensor(_norm(c)).view(3, 1, 1).expand_as(centre), atol=1e-5)
-    # 672x448 (ratio 1.5) at num_crops=4 -> 672x448 -> padded to 672: 112 white rows on top, 112 below
+        assert torch.allclose(
+            centre, torch.tensor(_norm(c)).view(3, 1, 1).expand_as(centre), atol=1e-5
+        )
+    # 672x448 (ratio 1.5) at num_crops=4 -> 672x448 -> padded to 672: 112 white rows on top,
+    # 112 below
     out = proc.Phi3VImageProcessor(num_crops=4)(Image.new("RGB", (672, 448), (0, 0, 0)))
     assert out["image_sizes"][0].tolist() == [672, 672]
     first = out["pixel_values"][0, 1]
@@ -187,7 +215,9 @@ def test_autoprocessor_loads_our_code_with_num_crops(tiny_dir):
     assert out["pixel_values"].shape == (2, 5, 3, 336, 336)
     assert out["image_sizes"].shape == (2, 2)
     ids = out["input_ids"][0].tolist()
-    assert ids == p4.tokenizer.encode("<|image_1|>\n<|image_2|>\nDescribe.", add_special_tokens=False)
+    assert ids == p4.tokenizer.encode(
+        "<|image_1|>\n<|image_2|>\nDescribe.", add_special_tokens=False
+    )
     assert tk.IMAGE_TOKEN_ID not in ids  # vLLM expands the placeholders itself
 
 
@@ -211,31 +241,53 @@ def test_remote_code_is_self_contained(tiny_dir):
 def test_tokenizer_id_layout(hf_tokenizer):
     tok = hf_tokenizer
     assert len(tok) == tk.VOCAB_SIZE == 32064
-    expected = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|endoftext|>": 32000, "<|assistant|>": 32001,
-                "<|placeholder1|>": 32002, "<|placeholder4|>": 32005, "<|system|>": 32006, "<|end|>": 32007,
-                "<|placeholder5|>": 32008, "<|placeholder6|>": 32009, "<|user|>": 32010,
-                "<|image|>": 32044, "<|placeholder58|>": 32063}
+    expected = {
+        "<unk>": 0,
+        "<s>": 1,
+        "</s>": 2,
+        "<|endoftext|>": 32000,
+        "<|assistant|>": 32001,
+        "<|placeholder1|>": 32002,
+        "<|placeholder4|>": 32005,
+        "<|system|>": 32006,
+        "<|end|>": 32007,
+        "<|placeholder5|>": 32008,
+        "<|placeholder6|>": 32009,
+        "<|user|>": 32010,
+        "<|image|>": 32044,
+        "<|placeholder58|>": 32063,
+    }
     for text, token_id in expected.items():
         assert tok.encode(text, add_special_tokens=False) == [token_id], text
         assert tok.convert_ids_to_tokens(token_id) == text
-    assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.pad_token_id) == (1, 32000, 0, 32000)
-    assert tok("hello world").input_ids == tok.encode("hello world", add_special_tokens=False)  # no BOS
+    assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.pad_token_id) == (
+        1,
+        32000,
+        0,
+        32000,
+    )
+    assert tok("hello world").input_ids == tok.encode(
+        "hello world", add_special_tokens=False
+    )  # no BOS
     assert tok.encode("<s> <|image|>", add_special_tokens=False) == [1, 3 + ord(" "), 32044]
     assert max(tok.get_vocab().values()) == 32063 and len(tok.get_vocab()) == 32064
     assert all(isinstance(tok.decode([i]), str) for i in range(tk.VOCAB_SIZE))
 
 
-@pytest.mark.parametrize("text", [
-    "",
-    "hello world",
-    "  leading and trailing spaces  ",
-    "<s><|user|>\n<|image_1|>\nWhat is in this image?<|end|>\n<|assistant|>\n",
-    "tabs\tand\r\nCRLF\n\n\nand many newlines",
-    "Ünïcödé, 日本語, emoji 😀👍🏽, zero\u200bwidth",
-    "<|endoftext|><|end|><|image|><|placeholder12|></s><unk>",
-    "not special: <|image_12|> <|user |> <s",
-    "".join(chr(c) for c in range(32, 127)),
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "hello world",
+        "  leading and trailing spaces  ",
+        "<s><|user|>\n<|image_1|>\nWhat is in this image?<|end|>\n<|assistant|>\n",
+        "tabs\tand\r\nCRLF\n\n\nand many newlines",
+        "Ünïcödé, 日本語, emoji 😀👍🏽, zero\u200bwidth",
+        "<|endoftext|><|end|><|image|><|placeholder12|></s><unk>",
+        "not special: <|image_12|> <|user |> <s",
+        "".join(chr(c) for c in range(32, 127)),
+    ],
+)
 def test_tokenizer_round_trip(hf_tokenizer, text):
     ids = hf_tokenizer(text).input_ids
     assert hf_tokenizer.decode(ids) == text
@@ -243,9 +295,14 @@ def test_tokenizer_round_trip(hf_tokenizer, text):
 
 
 def test_chat_template(hf_tokenizer):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<|image_1|>\nHi"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "<|image_1|>\nHi"},
+    ]
     text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == "<s><|system|>\nBe brief.<|end|>\n<|user|>\n<|image_1|>\nHi<|end|>\n<|assistant|>\n"
+    assert (
+        text == "<s><|system|>\nBe brief.<|end|>\n<|user|>\n<|image_1|>\nHi<|end|>\n<|assistant|>\n"
+    )
     assert hf_tokenizer.decode(hf_tokenizer.encode(text, add_special_tokens=False)) == text
 
 
@@ -266,9 +323,14 @@ def test_tiny_config_and_weights(tiny_dir):
     assert raw["img_processor"]["layer_idx"] == 0 and builder.clip_layers(0) == 1
     assert raw["rope_scaling"] is None and raw["torch_dtype"] == "float32"
     cfg = AutoConfig.from_pretrained(tiny_dir, trust_remote_code=True)
-    assert type(cfg).__name__ == "Phi3VConfig" and type(cfg).__module__.startswith("transformers_modules")
+    assert type(cfg).__name__ == "Phi3VConfig" and type(cfg).__module__.startswith(
+        "transformers_modules"
+    )
     assert cfg.vocab_size == 32064 and cfg.rope_parameters["rope_type"] == "default"
-    assert json.loads((tiny_dir / "generation_config.json").read_text())["eos_token_id"] == [32000, 32007]
+    assert json.loads((tiny_dir / "generation_config.json").read_text())["eos_token_id"] == [
+        32000,
+        32007,
+    ]
 
     shapes = builder.tiny_weight_shapes(raw)
     with safe_open(str(tiny_dir / builder.WEIGHTS_FILE), "pt") as f:
@@ -280,13 +342,20 @@ def test_tiny_config_and_weights(tiny_dir):
         emb = f.get_tensor("model.embed_tokens.weight")
         assert 0.015 < emb.std().item() < 0.025
     assert "model.layers.0.self_attn.qkv_proj.weight" in shapes
-    assert "model.vision_embed_tokens.img_processor.vision_model.encoder.layers.0.mlp.fc1.weight" in shapes
+    assert (
+        "model.vision_embed_tokens.img_processor.vision_model.encoder.layers.0.mlp.fc1.weight"
+        in shapes
+    )
     assert not any(".encoder.layers.1." in n for n in shapes)
 
 
 def test_seed_changes_weights():
     cfg = builder.model_config("tiny")
-    a, b, c = builder.random_weights(cfg, 0), builder.random_weights(cfg, 0), builder.random_weights(cfg, 1)
+    a, b, c = (
+        builder.random_weights(cfg, 0),
+        builder.random_weights(cfg, 0),
+        builder.random_weights(cfg, 1),
+    )
     name = "model.layers.1.mlp.down_proj.weight"
     assert torch.equal(a[name], b[name]) and not torch.equal(a[name], c[name])
 
@@ -296,8 +365,13 @@ def test_full_config(full_dir):
 
     raw = json.loads((full_dir / "config.json").read_text())
     assert not list(full_dir.glob("*.safetensors"))
-    assert (raw["hidden_size"], raw["intermediate_size"], raw["num_hidden_layers"],
-            raw["num_attention_heads"], raw["num_key_value_heads"]) == (3072, 8192, 32, 32, 32)
+    assert (
+        raw["hidden_size"],
+        raw["intermediate_size"],
+        raw["num_hidden_layers"],
+        raw["num_attention_heads"],
+        raw["num_key_value_heads"],
+    ) == (3072, 8192, 32, 32, 32)
     assert raw["img_processor"]["layer_idx"] == -2 and builder.clip_layers(-2) == 23
     assert len(raw["rope_scaling"]["short_factor"]) == len(raw["rope_scaling"]["long_factor"]) == 48
     cfg = AutoConfig.from_pretrained(full_dir, trust_remote_code=True)
@@ -307,16 +381,23 @@ def test_full_config(full_dir):
 
 
 def test_full_config_accepted_by_vllm(full_dir):
-    """vLLM's own ModelConfig accepts the full-size directory (dummy weights), allocating nothing."""
+    """vLLM's own ModelConfig accepts the full-size directory (dummy weights), allocating
+    nothing."""
     from vllm.engine.arg_utils import EngineArgs
 
-    args = dict(model=str(full_dir), load_format="dummy", trust_remote_code=True,
-                limit_mm_per_prompt={"image": 2}, mm_processor_kwargs={"num_crops": 16})
+    args = dict(
+        model=str(full_dir),
+        load_format="dummy",
+        trust_remote_code=True,
+        limit_mm_per_prompt={"image": 2},
+        mm_processor_kwargs={"num_crops": 16},
+    )
     mc = EngineArgs(max_model_len=131072, **args).create_model_config()
     assert mc.architectures == ["Phi3VForCausalLM"] and mc.is_multimodal_model
     assert mc.get_head_size() == 96 and mc.get_vocab_size() == 32064 and mc.dtype == torch.bfloat16
     assert mc.max_model_len == 131072
-    # vLLM quirk: with LongRoPE and no max_model_len, the default is original_max_position_embeddings.
+    # vLLM quirk: with LongRoPE and no max_model_len, the default is
+    # original_max_position_embeddings.
     assert EngineArgs(**args).create_model_config().max_model_len == 4096
 
 
@@ -344,34 +425,78 @@ def test_build_is_idempotent_and_force_rebuilds(tmp_path):
 
 def test_cli(tmp_path):
     out = tmp_path / "full"
-    run = subprocess.run([sys.executable, "-m", "serve.models.build", "--size", "full", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "serve.models.build", "--size", "full", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 32
-    run = subprocess.run([sys.executable, "-m", "serve.models.build", "--real-from", str(tmp_path / "nowhere"),
-                          "--out", str(tmp_path / "real")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "serve.models.build",
+            "--real-from",
+            str(tmp_path / "nowhere"),
+            "--out",
+            str(tmp_path / "real"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2 and "config.json" in run.stderr and "safetensors" in run.stderr
 
 
 def _fake_download(src: Path) -> dict:
-    """A stand-in for the downloaded checkpoint: real-style config, 2 shards + index, tokenizer, .py files."""
+    """A stand-in for the downloaded checkpoint: real-style config, 2 shards + index, tokenizer,
+    .py files."""
     src.mkdir()
     real = builder.model_config("full")
-    real.update({
-        "auto_map": {"AutoConfig": "configuration_phi3_v.Phi3VConfig",
-                     "AutoModelForCausalLM": "modeling_phi3_v.Phi3VForCausalLM"},
-        "rope_scaling": {"type": "su", "short_factor": [1.05] * 48, "long_factor": [float(i + 2) for i in range(48)]},
-        "rope_theta": 10000.0, "sliding_window": 131072, "eos_token_id": 2,
-    })
+    real.update(
+        {
+            "auto_map": {
+                "AutoConfig": "configuration_phi3_v.Phi3VConfig",
+                "AutoModelForCausalLM": "modeling_phi3_v.Phi3VForCausalLM",
+            },
+            "rope_scaling": {
+                "type": "su",
+                "short_factor": [1.05] * 48,
+                "long_factor": [float(i + 2) for i in range(48)],
+            },
+            "rope_theta": 10000.0,
+            "sliding_window": 131072,
+            "eos_token_id": 2,
+        }
+    )
     real["img_processor"].pop("layer_idx")
     (src / "config.json").write_text(json.dumps(real))
     (src / "model-00001-of-00002.safetensors").write_bytes(b"a")
     (src / "model-00002-of-00002.safetensors").write_bytes(b"b")
-    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "x": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors"}}))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "x": "model-00001-of-00002.safetensors",
+                    "y": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
     tk.save_tokenizer(src)
-    for name in ("configuration_phi3_v.py", "processing_phi3_v.py", "image_processing_phi3_v.py", "modeling_phi3_v.py"):
-        (src / name).write_text("import torchvision\nraise RuntimeError('Microsoft code must not run')\n")
+    for name in (
+        "configuration_phi3_v.py",
+        "processing_phi3_v.py",
+        "image_processing_phi3_v.py",
+        "modeling_phi3_v.py",
+    ):
+        (src / name).write_text(
+            "import torchvision\nraise RuntimeError('Microsoft code must not run')\n"
+        )
     return real
 
 
@@ -386,8 +511,15 @@ def test_prepare_real(tmp_path):
     for name in builder.REMOTE_CODE_FILES:
         assert not (out / name).is_symlink()
         assert (out / name).read_text() == (builder.REMOTE_CODE_DIR / name).read_text()
-    assert not (out / "modeling_phi3_v.py").exists() and not (out / "image_processing_phi3_v.py").exists()
-    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json"):
+    assert (
+        not (out / "modeling_phi3_v.py").exists()
+        and not (out / "image_processing_phi3_v.py").exists()
+    )
+    for name in (
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+    ):
         assert (out / name).is_symlink() and (out / name).resolve() == (src / name).resolve()
     from transformers import AutoConfig
 
@@ -414,7 +546,9 @@ ENGINE_IMAGES = {
     "portrait": portrait_photo,
     "one_pixel": lambda: Image.open(IMAGES / "one_pixel.png").convert("RGB"),
     "strip": lambda: Image.open(IMAGES / "strip_2000x8.png").convert("RGB"),
-    "tall_strip": lambda: Image.open(IMAGES / "strip_2000x8.png").convert("RGB").transpose(Image.Transpose.ROTATE_90),
+    "tall_strip": lambda: (
+        Image.open(IMAGES / "strip_2000x8.png").convert("RGB").transpose(Image.Transpose.ROTATE_90)
+    ),
 }
 
 
@@ -425,36 +559,56 @@ def _engine_check(model_dir: str) -> dict:
     from vllm import LLM, SamplingParams
 
     t0 = time.monotonic()
-    llm = LLM(model=model_dir, trust_remote_code=True, dtype="float32", enforce_eager=True,
-              max_model_len=8192, limit_mm_per_prompt={"image": 2},
-              mm_processor_kwargs={"num_crops": ENGINE_NUM_CROPS}, kv_cache_memory_bytes=128 * 2**20, seed=0)
+    llm = LLM(
+        model=model_dir,
+        trust_remote_code=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=8192,
+        limit_mm_per_prompt={"image": 2},
+        mm_processor_kwargs={"num_crops": ENGINE_NUM_CROPS},
+        kv_cache_memory_bytes=128 * 2**20,
+        seed=0,
+    )
     report: dict = {"start_s": time.monotonic() - t0}
     question = "What is in this image?"
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
 
     def chat(content, params=greedy, **kw):
         out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False, **kw)[0]
-        return {"prompt": list(out.prompt_token_ids), "output": list(out.outputs[0].token_ids),
-                "text": out.outputs[0].text}
+        return {
+            "prompt": list(out.prompt_token_ids),
+            "output": list(out.outputs[0].token_ids),
+            "text": out.outputs[0].text,
+        }
 
     def image_part(img):
         return {"type": "image_url", "image_url": {"url": _png_data_url(img)}}
 
     t1 = time.monotonic()
     photo = ENGINE_IMAGES["landscape"]()
-    report["photo"] = chat([image_part(photo), {"type": "text", "text": question}]) | {"size": photo.size}
+    report["photo"] = chat([image_part(photo), {"type": "text", "text": question}]) | {
+        "size": photo.size
+    }
     report["photo_s"] = time.monotonic() - t1
     report["text_only"] = chat(question)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     report["sizes"] = {}
     for name, make in ENGINE_IMAGES.items():
         img = make()
-        report["sizes"][name] = chat([image_part(img), {"type": "text", "text": "?"}], one) | {"size": img.size}
+        report["sizes"][name] = chat([image_part(img), {"type": "text", "text": "?"}], one) | {
+            "size": img.size
+        }
     imgs = [ENGINE_IMAGES["landscape"](), ENGINE_IMAGES["portrait"]()]
-    report["two_images"] = chat([image_part(imgs[0]), image_part(imgs[1]), {"type": "text", "text": "?"}], one)
+    report["two_images"] = chat(
+        [image_part(imgs[0]), image_part(imgs[1]), {"type": "text", "text": "?"}], one
+    )
     report["two_images"]["sizes"] = [im.size for im in imgs]
-    report["num_crops_1"] = chat([image_part(photo), {"type": "text", "text": "?"}], one,
-                                 mm_processor_kwargs={"num_crops": 1})
+    report["num_crops_1"] = chat(
+        [image_part(photo), {"type": "text", "text": "?"}],
+        one,
+        mm_processor_kwargs={"num_crops": 1},
+    )
     report["total_s"] = time.monotonic() - t0
     return report
 
@@ -471,14 +625,31 @@ def _runs(ids: list[int], token_id: int) -> list[int]:
 
 
 def test_tiny_model_runs_in_vllm(tiny_dir, hf_tokenizer, tmp_path):
-    env = {**os.environ, **OFFLINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        **OFFLINE_ENV,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
     result_file = tmp_path / "engine.json"
-    run = subprocess.run([sys.executable, __file__, "--engine-check", str(tiny_dir), str(result_file)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    run = subprocess.run(
+        [sys.executable, __file__, "--engine-check", str(tiny_dir), str(result_file)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-6000:]
-    for bad in ("not initialized", "Missing", "unexpected", "were not used", "backward compatibility"):
+    for bad in (
+        "not initialized",
+        "Missing",
+        "unexpected",
+        "were not used",
+        "backward compatibility",
+    ):
         assert bad not in log, f"engine log contains {bad!r}"
     report = json.loads(result_file.read_text())
     enc = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
@@ -490,7 +661,11 @@ def test_tiny_model_runs_in_vllm(tiny_dir, hf_tokenizer, tmp_path):
     photo = report["photo"]
     n_img = ip.calc_num_image_tokens_from_image_size(*photo["size"])
     assert n_img == 757
-    expected = enc("<|user|>\n") + [tk.IMAGE_TOKEN_ID] * n_img + enc("\nWhat is in this image?<|end|>\n<|assistant|>\n")
+    expected = (
+        enc("<|user|>\n")
+        + [tk.IMAGE_TOKEN_ID] * n_img
+        + enc("\nWhat is in this image?<|end|>\n<|assistant|>\n")
+    )
     assert photo["prompt"] == expected
     text_only = report["text_only"]["prompt"]
     assert text_only == enc("<s><|user|>\nWhat is in this image?<|end|>\n<|assistant|>\n")
@@ -506,7 +681,9 @@ def test_tiny_model_runs_in_vllm(tiny_dir, hf_tokenizer, tmp_path):
         assert len(item["output"]) == 1, name
     assert report["sizes"]["portrait"]["size"] == [214, 640]
     two = report["two_images"]
-    assert _runs(two["prompt"], tk.IMAGE_TOKEN_ID) == [expected_tokens(*s, ENGINE_NUM_CROPS) for s in two["sizes"]]
+    assert _runs(two["prompt"], tk.IMAGE_TOKEN_ID) == [
+        expected_tokens(*s, ENGINE_NUM_CROPS) for s in two["sizes"]
+    ]
     # per-request mm_processor_kwargs override num_crops consistently
     assert _runs(report["num_crops_1"]["prompt"], tk.IMAGE_TOKEN_ID) == [313]
 

@@ -1,14 +1,12 @@
-"""The OpenAI Responses API (``POST /v1/responses``) through the full request path, and the
-request-id and header rules every generation route shares."""
+"""Rules of the OpenAI Responses API path and of request ids (pure), and the stream guard and
+goodput tracker on Responses events (scripted ASGI peers)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-import httpx
 import pytest
-from openai import OpenAI
 
 from serve.admission.middleware import ResponseTracker
 from serve.intake.errors import IntakeError
@@ -20,8 +18,7 @@ from serve.intake.request import (
 )
 from serve.intake.responses import parse_responses_request
 from serve.sse import CHAT_SSE, RESPONSES_SSE
-from tests.conftest import IMAGES, data_url
-from tests.test_intake import run_guard
+from tests.unit.test_intake import run_guard
 
 LIMITS = RequestLimits(max_images=2, max_n=1, max_num_crops=16)
 URL = "data:image/png;base64,iVBORw0KGgo="
@@ -147,61 +144,3 @@ def test_tracker_times_responses_tokens_and_sees_their_end():
     assert abs(tracker.mean_itl_s() - 0.2) < 1e-9
     assert CHAT_SSE.has_done(b"data: {}\n\ndata: [DONE]\n\n")
     assert not CHAT_SSE.has_done(b'data: {"content": "data: [DONE]"}\n\n')
-
-
-# --- the real server (session fixture) ---------------------------------------------------------
-def test_openai_sdk_responses_with_an_image_stream_and_not(server):
-    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
-    before = server.metric("phi3v_requests_total")
-    content = [{"type": "input_text", "text": "What is in this photo?"},
-               {"type": "input_image", "image_url": data_url(IMAGES / "chelsea.png")}]
-    response = client.responses.create(model=server.model, max_output_tokens=6,
-                                       input=[{"role": "user", "content": content}])
-    assert response.output_text and response.usage.output_tokens == 6
-    assert response.usage.input_tokens > 100  # the image's tokens are in the prompt
-    kinds = [e.type for e in client.responses.create(
-        model=server.model, max_output_tokens=4, stream=True, instructions="Be brief.",
-        input=[{"role": "user", "content": content}])]
-    assert kinds[0] == "response.created" and "response.output_text.delta" in kinds
-    assert kinds[-1] in ("response.completed", "response.incomplete") and "error" not in kinds
-    assert server.metric("phi3v_requests_total") >= before + 2  # admission counted both
-
-
-def test_responses_without_max_output_tokens_get_the_default(server):
-    r = httpx.post(f"{server.base_url}/v1/responses", timeout=60,
-                   json={"model": server.model, "input": "hi"})
-    assert r.status_code == 200 and r.json()["max_output_tokens"] == 2048
-
-
-def test_same_request_id_gets_distinct_response_ids(server):
-    chat = {"model": server.model, "max_tokens": 2,
-            "messages": [{"role": "user", "content": "hi"}]}
-    ids = set()
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        for _ in range(2):
-            r = client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "abc"})
-            assert r.status_code == 200 and "abc" in r.json()["id"]
-            ids.add(r.json()["id"])
-            for path, body in (("/v1/chat/completions", chat),
-                               ("/v1/completions", {"model": server.model, "prompt": "hi",
-                                                    "max_tokens": 2}),
-                               ("/v1/responses", {"model": server.model, "input": "hi",
-                                                  "max_output_tokens": 2})):
-                r = client.post(path, json={**body, "request_id": "abc"})
-                assert r.status_code == 200 and "abc" in r.json()["id"], r.text
-                ids.add(r.json()["id"])
-        assert len(ids) == 8
-        long = client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "a" * 257})
-        assert long.status_code == 400 and long.json()["error"]["param"] == "X-Request-Id"
-        control = client.post("/v1/responses", json={"model": server.model, "input": "hi",
-                                                     "request_id": "a\u0007b"})
-        assert control.status_code == 400 and control.json()["error"]["param"] == "request_id"
-
-
-def test_a_megabyte_header_is_431_and_a_large_one_passes(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        r = client.get("/v1/models", headers={"X-Big": "a" * 2**20})
-        assert r.status_code == 431 and "headers exceed" in r.json()["error"]["message"]
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        assert client.get("/v1/models", headers={"X-Big": "a" * 32_000}).status_code == 200
-        assert client.get("/health").status_code == 200

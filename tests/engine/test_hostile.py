@@ -16,7 +16,7 @@ import psutil
 import pytest
 from PIL import Image
 
-from tests.conftest import data_url, free_port, png_bytes, start_server, stop_server
+from tests.helpers import data_url, free_port, png_bytes, start_server, stop_server
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -67,7 +67,7 @@ def allowed_host_server(canary_port: int, png: bytes):
     towards the canary."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             if self.path == "/img.png":
                 self.send_response(200)
                 self.send_header("Content-Type", "image/png")

@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
-from tests.conftest import ARTIFACTS, ROOT, free_port, stop_group, wait_until_up
+from tests.helpers import ARTIFACTS, ROOT, free_port, stop_group, wait_until_up
 
 UI_DIR = ROOT / "ui"
 UI_VENV = UI_DIR / ".venv"

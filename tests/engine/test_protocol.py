@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.conftest import IMAGES, data_url
+from tests.helpers import IMAGES, data_url
 
 
 def chat(server, **extra) -> dict:
@@ -58,21 +58,6 @@ def test_pixel_cap_refusal_names_our_limit(server):
     assert str(limits["max_image_pixels"]) in message and "178956970" not in message
 
 
-def test_empty_delta_detection():
-    from serve.streamguard import empty_delta
-
-    def chunk(delta, finish=None, **extra):
-        return {"object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": delta, "finish_reason": finish}], **extra}
-
-    assert empty_delta(chunk({"content": ""}))
-    assert not empty_delta(chunk({"role": "assistant", "content": ""}))
-    assert not empty_delta(chunk({"content": "a"}))
-    assert not empty_delta(chunk({"content": ""}, finish="stop"))
-    assert not empty_delta(chunk({"content": ""}, usage={"completion_tokens": 3}))
-    assert not empty_delta({"object": "chat.completion.chunk", "choices": []})
-
-
 async def test_requests_without_max_tokens_get_the_documented_default():
     from transformers import AutoTokenizer
 
@@ -82,7 +67,7 @@ async def test_requests_without_max_tokens_get_the_documented_default():
     from serve.intake.middleware import IntakeMiddleware
     from serve.intake.request import RequestLimits
     from serve.intake.urls import UrlPolicy
-    from tests.conftest import ensure_tiny_model
+    from tests.helpers import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import start_server, stop_server
+from tests.helpers import start_server, stop_server
 
 STATIC_LIMIT = 2
 CEILING = 6

@@ -17,7 +17,7 @@ from serve.intake.images import ImagePolicy, decode_data_url, prepare_image
 from serve.intake.request import RequestLimits, parse_chat_request
 from serve.intake.urls import UrlPolicy, check_url, is_public
 from serve.streamguard import StreamGuardMiddleware
-from tests.conftest import IMAGES
+from tests.helpers import IMAGES
 
 POLICY = ImagePolicy(10 * 2**20, 40_000_000, frozenset({"PNG", "JPEG", "GIF", "WEBP"}))
 LIMITS = RequestLimits(max_images=2, max_n=1, max_num_crops=16)
@@ -67,7 +67,7 @@ def test_transparency_goes_on_white():
         for xy in ((5, 200), (590, 200)):
             *rgb, alpha = src.getpixel(xy)
             expected = [round((c * alpha + 255 * (255 - alpha)) / 255) for c in rgb]
-            assert all(abs(a - b) <= 1 for a, b in zip(out.getpixel(xy), expected))
+            assert all(abs(a - b) <= 1 for a, b in zip(out.getpixel(xy), expected, strict=False))
 
 
 def test_16_bit_gray_keeps_its_range():
@@ -266,7 +266,7 @@ async def test_image_url_fetch_has_an_overall_deadline():
     from serve.intake.urls import fetch_image_url
 
     class Drip(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
+        def do_GET(self):
             self.send_response(200)
             self.send_header("Content-Length", "1000")
             self.end_headers()
@@ -305,3 +305,18 @@ async def test_guard_drops_chunks_that_carry_nothing():
                               b"data: [DONE]\n\n"])
     assert len(events) == 4 and events[-1] == "data: [DONE]"
     assert '"role":"assistant"' in events[0] and '"hi"' in events[1] and '"stop"' in events[2]
+
+
+def test_empty_delta_detection():
+    from serve.streamguard import empty_delta
+
+    def chunk(delta, finish=None, **extra):
+        return {"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+
+    assert empty_delta(chunk({"content": ""}))
+    assert not empty_delta(chunk({"role": "assistant", "content": ""}))
+    assert not empty_delta(chunk({"content": "a"}))
+    assert not empty_delta(chunk({"content": ""}, finish="stop"))
+    assert not empty_delta(chunk({"content": ""}, usage={"completion_tokens": 3}))
+    assert not empty_delta({"object": "chat.completion.chunk", "choices": []})

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from serve.settings import Settings
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 DEPLOY = ROOT / "deploy"
 

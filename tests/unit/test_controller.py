@@ -27,7 +27,7 @@ def test_step_response_to_load_jump_reaches_ceiling():
     assert limits == sorted(limits)  # monotone up under demand with headroom
     assert limits[-1] == 64
     # Additive steps are bounded by max_step and the 25 % ratio.
-    steps = [b - a for a, b in zip([2] + limits, limits)]
+    steps = [b - a for a, b in zip([2] + limits, limits, strict=False)]
     assert max(steps) <= CFG.max_step
     assert limits.index(64) < 20  # the ceiling is reached in well under 40 s
 

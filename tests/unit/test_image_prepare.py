@@ -24,7 +24,7 @@ from serve.intake.middleware import IntakeMiddleware
 from serve.intake.request import RequestLimits
 from serve.intake.urls import UrlPolicy
 from serve.models.remote_code.processing_phi3_v import Phi3VImageProcessor, hd_transform_size
-from tests.conftest import IMAGES
+from tests.helpers import IMAGES
 
 POLICY = ImagePolicy(16 * 2**20, 40_000_000, frozenset({"PNG", "JPEG", "GIF", "WEBP", "BMP"}))
 
@@ -125,7 +125,7 @@ def test_cache_is_bounded_lru_by_bytes():
     cache = ImageCache(max_bytes=4000)
     entries = [PreparedImage("x" * 900, 1, 1, "PNG", "reduced") for _ in range(6)]
     keys = [image_key(str(i), 1) for i in range(6)]
-    for key, entry in zip(keys, entries):
+    for key, entry in zip(keys, entries, strict=False):
         cache.put(key, entry)
         cache.get(keys[0])  # keep the first one hot
     assert cache.nbytes <= 4000 and len(cache) == 4
@@ -183,7 +183,7 @@ def test_prompt_bound_never_undercounts(tmp_path):
 
     from serve.intake.budget import PromptBudget
     from serve.intake.request import parse_chat_request
-    from tests.conftest import ensure_tiny_model
+    from tests.helpers import ensure_tiny_model
 
     budget = PromptBudget(AutoTokenizer.from_pretrained(ensure_tiny_model()), 8192, 1)
     rng = random.Random(0)

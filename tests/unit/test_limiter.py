@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from serve.admission.limiter import (QUEUE_FULL, QUEUE_TIMEOUT, SLO, AdmissionLimiter,
-                                     Rejected)
+from serve.admission.limiter import QUEUE_FULL, QUEUE_TIMEOUT, SLO, AdmissionLimiter, Rejected
 
 
 class FakeClock:
@@ -146,7 +145,8 @@ async def test_raise_limit_admits_at_once_and_lower_drains():
     assert lim.in_flight == 4
     late = asyncio.create_task(lim.acquire())
     await asyncio.sleep(0)
-    a.release(); slots[0].release()
+    a.release()
+    slots[0].release()
     await asyncio.sleep(0)
     assert not late.done()  # still 2 in flight == limit
     slots[1].release()

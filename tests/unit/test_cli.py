@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from serve.settings import Settings
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def run(*cmd: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -63,7 +63,7 @@ print(json.dumps(out))
 
 
 def test_step_budget_smaller_than_the_largest_image_is_refused_at_start():
-    from tests.conftest import TINY_MODEL
+    from tests.helpers import TINY_MODEL
 
     res = run(sys.executable, "-m", "serve", "--model", str(TINY_MODEL),
               "--max-num-batched-tokens", "64", "--max-num-crops", "16")

@@ -1,0 +1,99 @@
+"""The admission pieces of one API process (limiter, engine-stats feed, autotuner, SLO
+targets), built from :class:`~serve.settings.Settings` and bound to the Prometheus gauges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serve.admission import metrics
+from serve.admission.autotuner import Autotuner
+from serve.admission.capacity import kv_safe_seqs
+from serve.admission.controller import Controller, ControllerConfig
+from serve.admission.limiter import AdmissionLimiter
+from serve.admission.middleware import AdmissionMiddleware, SloTargets
+from serve.admission.signals import EngineStatsFeed, stat_logger_factory
+from serve.settings import Settings
+
+
+def controller_config(settings: Settings) -> ControllerConfig:
+    """The autotuner constants of ``settings`` (resolved for the hardware)."""
+    s = settings.resolved()
+    return ControllerConfig(
+        min_seqs=min(s.min_seqs, s.max_num_seqs), ceiling=s.max_num_seqs,
+        ttft_target_s=s.slo_ttft_s, itl_target_s=s.slo_itl_s,
+        headroom=s.autotune_headroom, decrease_factor=s.autotune_decrease_factor,
+        increase_ratio=s.autotune_increase_ratio, max_step=s.autotune_max_step,
+        cooldown_s=s.autotune_cooldown_s, kv_high_ratio=s.autotune_kv_high_ratio)
+
+
+@dataclass
+class Admission:
+    """The admission pieces of one API process, built from :class:`Settings`."""
+
+    limiter: AdmissionLimiter
+    feed: EngineStatsFeed
+    autotuner: Autotuner
+    slo: SloTargets
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Admission":
+        s = settings.resolved()
+        config = controller_config(s)
+        limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s,
+                                   ceiling=s.max_num_seqs, engine_queue=s.engine_queue)
+        feed = EngineStatsFeed(window_s=s.autotune_window_s)
+        autotuner = Autotuner(Controller(config, s.admission_limit), limiter, feed,
+                              mode=s.autotune, interval_s=s.autotune_interval_s)
+        admission = cls(limiter, feed, autotuner, SloTargets(s.slo_ttft_s, s.slo_itl_s))
+        admission.export()
+        return admission
+
+    def export(self) -> None:
+        """Bind the gauges to live values (read at scrape time, never stale)."""
+        lim = self.limiter
+        metrics.PENDING.set_function(lambda: lim.pending)
+        metrics.RUNNING.set_function(lambda: lim.in_flight)
+        metrics.MAX_NUM_SEQS.set_function(lambda: lim.limit)
+        config = self.autotuner.controller.config
+        metrics.CEILING.set(config.ceiling)
+        metrics.MIN_SEQS.set(config.min_seqs)
+        metrics.HEADROOM.set(config.headroom)
+        metrics.KV_HIGH.set(config.kv_high_ratio)
+        metrics.GPU_BUSY.set(config.gpu_busy_ratio)
+        metrics.MAX_QUEUE.set(lim.max_queue)
+        metrics.SLO_TTFT.set(self.slo.ttft_s)
+        metrics.SLO_ITL.set(self.slo.itl_s)
+        metrics.AUTOTUNER_AUTO.set(1 if self.autotuner.mode == "auto" else 0)
+        metrics.init_decision_series()
+
+    def apply_kv_capacity(self, settings: Settings, kv_tokens: int | None) -> int | None:
+        """Start the autotuner at the engine's KV-safe capacity (``serve.admission.capacity``).
+
+        Only in mode ``auto`` and when ``admission_limit`` was not set explicitly; the limit
+        is also what the controller restores when the engine goes idle.
+
+        Args:
+            settings: the server's settings (unresolved: an explicit limit is kept).
+            kv_tokens: the engine's KV-cache capacity, tokens (None: unknown, keep the
+                ceiling).
+
+        Returns:
+            the KV-safe capacity in requests, or None when ``kv_tokens`` is unknown.
+        """
+        if kv_tokens is None:
+            return None
+        s = settings.resolved()
+        capacity = kv_safe_seqs(kv_tokens, s.num_crops, s.max_num_seqs)
+        metrics.KV_SAFE_SEQS.set(capacity)
+        if s.autotune == "auto" and settings.admission_limit is None:
+            self.autotuner.controller.set_start(capacity)
+            self.limiter.set_limit(self.autotuner.controller.limit)
+        return capacity
+
+    def stat_loggers(self) -> list:
+        """vLLM stat logger factories feeding :attr:`feed` (imports vLLM)."""
+        return [stat_logger_factory(self.feed)]
+
+    def wrap(self, app) -> AdmissionMiddleware:
+        """``app`` behind admission control."""
+        return AdmissionMiddleware(app, self.limiter, self.slo)

@@ -1,0 +1,177 @@
+"""Every ``phi3v_*`` Prometheus series of the stack, declared in one place.
+
+The series sit next to vLLM's ``vllm:*`` ones on the same ``/metrics``: the API process builds
+one :class:`Metrics` on vLLM's registry (``serve.app``); tests and the simulator build theirs
+on a fresh :class:`~prometheus_client.CollectorRegistry`, so nothing here is process-global.
+Names carry base units and counters ``_total`` (prometheus/client_python appends it), as
+Prometheus' naming guide asks. The names are a contract: dashboards, alert rules and
+autoscalers use them (``monitoring/README.md`` lists them; a test keeps the two equal).
+
+| series | type | unit | updated by |
+|---|---|---|---|
+| ``phi3v_requests_total`` | counter | requests | admission middleware, on arrival |
+| ``phi3v_rejected_requests_total{reason}`` | counter | requests | admission middleware (429) |
+| ``phi3v_queue_wait_seconds`` | histogram | seconds | admission middleware |
+| ``phi3v_finished_requests_total`` | counter | requests | admission middleware |
+| ``phi3v_aborted_requests_total`` | counter | requests | admission middleware |
+| ``phi3v_goodput_requests_total`` | counter | requests | admission middleware |
+| ``phi3v_request_ttft_seconds`` | histogram | seconds | admission middleware |
+| ``phi3v_request_images`` | histogram | images | admission middleware |
+| ``phi3v_pending_requests`` | gauge | requests | read from the limiter at scrape |
+| ``phi3v_running_requests`` | gauge | requests | read from the limiter at scrape |
+| ``phi3v_max_num_seqs`` | gauge | requests | read from the limiter at scrape |
+| ``phi3v_max_num_seqs_ceiling`` | gauge | requests | admission service, at start |
+| ``phi3v_kv_safe_seqs`` | gauge | requests | admission service, after the engine boots |
+| ``phi3v_max_queue`` | gauge | requests | admission service, at start |
+| ``phi3v_slo_ttft_seconds`` | gauge | seconds | admission service, at start |
+| ``phi3v_slo_itl_seconds`` | gauge | seconds | admission service, at start |
+| ``phi3v_autotuner_decisions_total{direction,reason}`` | counter | decisions | autotuner loop |
+| ``phi3v_autotuner_min_seqs`` | gauge | requests | admission service, at start |
+| ``phi3v_autotuner_headroom_ratio`` | gauge | ratio | admission service, at start |
+| ``phi3v_autotuner_kv_high_ratio`` | gauge | ratio | admission service, at start |
+| ``phi3v_autotuner_gpu_busy_ratio`` | gauge | ratio | admission service, at start |
+| ``phi3v_autotuner_auto_mode`` | gauge | 0/1 | admission service, at start |
+| ``phi3v_gpu_utilization_ratio`` | gauge | ratio | autotuner loop (only where NVML sees a GPU) |
+| ``phi3v_http_responses_total{route,code}`` | counter | responses | gateway, every answer |
+| ``phi3v_ready`` | gauge | 0/1 | gateway life cycle |
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from serve.admission.controller import REASONS as DECISION_REASONS
+from serve.admission.limiter import REJECT_REASONS
+from serve.routes import GENERATION_ROUTES
+
+#: Buckets (seconds) for queue wait and gateway-side TTFT: 10 ms .. 2 min.
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120)
+#: Buckets of images per request (the default limit is 4; ``--max-images-per-prompt`` up to 16).
+IMAGE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+#: ``code`` label values created at 0 for each generation route, so rates exist at once.
+INITIAL_CODES = ("200", "400", "429", "500", "503")
+
+
+class Metrics:
+    """The ``phi3v_*`` series of one API process (module docstring), in ``registry``.
+
+    Every label value known in advance (rejection reasons, decision reasons, the usual codes
+    of each generation route) is created at 0, so rates exist before the first event.
+
+    Args:
+        registry: where the series are registered; a fresh registry when None (tests, the
+            simulator). The API process passes vLLM's, so ``/metrics`` serves both.
+
+    Raises:
+        ValueError: a series of the same name is already in ``registry``
+            (``prometheus_client``'s duplicate check: one :class:`Metrics` per registry).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        # --- admission middleware -----------------------------------------------------------
+        self.requests = Counter("phi3v_requests",
+                                "Generation requests that reached admission control "
+                                "(arrivals).", registry=r)
+        self.rejected = Counter("phi3v_rejected_requests",
+                                "Requests refused by admission control (HTTP 429), by reason.",
+                                ["reason"], registry=r)
+        self.queue_wait = Histogram("phi3v_queue_wait_seconds",
+                                    "Seconds a request waited at the gateway before admission "
+                                    "or refusal.", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.finished = Counter("phi3v_finished_requests",
+                                "Generation requests that finished with a complete answer "
+                                "(HTTP 200).", registry=r)
+        self.aborted = Counter("phi3v_aborted_requests",
+                               "Generation requests whose client left before the whole answer "
+                               "was sent (vLLM aborted them; not finished, not goodput).",
+                               registry=r)
+        self.goodput = Counter("phi3v_goodput_requests",
+                               "Finished requests that met both the TTFT and the ITL target "
+                               "(goodput).", registry=r)
+        self.ttft = Histogram("phi3v_request_ttft_seconds",
+                              "Client-side TTFT of streamed requests, queue wait included, "
+                              "seconds.", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.images = Histogram("phi3v_request_images", "Images per generation request.",
+                                buckets=IMAGE_BUCKETS, registry=r)
+        # --- limiter state, read at scrape time -----------------------------------------------
+        self.pending = Gauge("phi3v_pending_requests",
+                             "Requests queued at the gateway, waiting for an engine slot.",
+                             registry=r)
+        self.running = Gauge("phi3v_running_requests",
+                             "Requests admitted into the engine and not finished (in flight).",
+                             registry=r)
+        self.max_num_seqs = Gauge("phi3v_max_num_seqs",
+                                  "Live admission limit: the effective max_num_seqs "
+                                  "(requests).", registry=r)
+        # --- configuration, set at start --------------------------------------------------------
+        self.ceiling = Gauge("phi3v_max_num_seqs_ceiling",
+                             "Engine max_num_seqs fixed at start: the highest the live limit "
+                             "can go.", registry=r)
+        self.kv_safe_seqs = Gauge("phi3v_kv_safe_seqs",
+                                  "Requests whose KV cache fits at once (engine KV tokens / "
+                                  "tokens of a typical image request, at most the ceiling): "
+                                  "auto's start and idle limit.", registry=r)
+        self.max_queue = Gauge("phi3v_max_queue",
+                               "Most requests the gateway queue holds (max_queue).", registry=r)
+        self.slo_ttft = Gauge("phi3v_slo_ttft_seconds", "TTFT target, seconds (p90 objective).",
+                              registry=r)
+        self.slo_itl = Gauge("phi3v_slo_itl_seconds", "Inter-token latency target, seconds.",
+                             registry=r)
+        self.min_seqs = Gauge("phi3v_autotuner_min_seqs", "Floor of the live limit (requests).",
+                              registry=r)
+        self.headroom = Gauge("phi3v_autotuner_headroom_ratio",
+                              "The autotuner increases only while p90 latency < headroom x "
+                              "target.", registry=r)
+        self.kv_high = Gauge("phi3v_autotuner_kv_high_ratio",
+                             "KV-cache usage (0-1) the autotuner treats as full.", registry=r)
+        self.gpu_busy = Gauge("phi3v_autotuner_gpu_busy_ratio",
+                              "GPU utilization (0-1) above which the autotuner does not "
+                              "increase.", registry=r)
+        self.auto_mode = Gauge("phi3v_autotuner_auto_mode",
+                               "1 when the autotuner moves the limit (mode auto), 0 when "
+                               "static.", registry=r)
+        # --- autotuner loop -------------------------------------------------------------------
+        self.decisions = Counter("phi3v_autotuner_decisions",
+                                 "Autotuner decisions, by direction (up/down/hold) and reason.",
+                                 ["direction", "reason"], registry=r)
+        self._gpu_utilization: Gauge | None = None
+        # --- gateway ------------------------------------------------------------------------
+        self.http_responses = Counter("phi3v_http_responses",
+                                      "HTTP responses by route and status code, the gateway's "
+                                      "own 401/413/429/503 included.", ["route", "code"],
+                                      registry=r)
+        self.ready = Gauge("phi3v_ready",
+                           "1 while /ready answers 200 (the engine can serve), else 0.",
+                           registry=r)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
+        for route in GENERATION_ROUTES:
+            for code in INITIAL_CODES:
+                self.http_responses.labels(route=route, code=code)
+        for direction in ("up", "down", "hold"):
+            for reason in DECISION_REASONS:
+                self.decisions.labels(direction=direction, reason=reason)
+
+    def record_decision(self, direction: str, reason: str) -> None:
+        """Count one autotuner decision."""
+        self.decisions.labels(direction=direction, reason=reason).inc()
+
+    def set_gpu_utilization(self, ratio: float | None) -> None:
+        """``phi3v_gpu_utilization_ratio`` (0-1). Registered on the first known value, so on
+        a machine without a GPU the series is absent rather than a fake 0."""
+        if ratio is None:
+            return
+        if self._gpu_utilization is None:
+            self._gpu_utilization = Gauge("phi3v_gpu_utilization_ratio",
+                                          "GPU utilization 0-1 (NVML, mean over GPUs).",
+                                          registry=self.registry)
+        self._gpu_utilization.set(ratio)
+
+    def names(self) -> list[str]:
+        """Every series name this object can expose (sample names, e.g. ``_total``), sorted:
+        the registry's, plus the GPU gauge that appears where NVML sees a GPU."""
+        names = {m.name + ("_total" if m.type == "counter" else "")
+                 for m in self.registry.collect()}
+        return sorted(names | {"phi3v_gpu_utilization_ratio"})
