@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import prometheus_client
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -42,10 +43,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serve import engine as engine_mod
 from serve import http_metrics
 from serve.admission.service import Admission
-from serve.asgi import BodyLimitMiddleware
+from serve.asgi import REQUEST_STATE_KEY, BodyLimitMiddleware
 from serve.auth import ApiKeys, unauthorized
 from serve.errors import openai_error
 from serve.intake.service import Intake
+from serve.metrics import Metrics
 from serve.routes import CLOSED, OPTIONAL, RouteTable
 from serve.settings import Settings
 from serve.streamguard import StreamGuardMiddleware
@@ -90,15 +92,20 @@ class Gateway:
         settings: the stack's settings.
         on_fatal: called (no arguments) when the engine fails to boot, so the server can exit
             with a non-zero status instead of serving 503 forever.
+        registry: where the ``phi3v_*`` series go (``serve.metrics``); the default registry,
+            which vLLM's stat loggers use too, when None.
     """
 
-    def __init__(self, settings: Settings, on_fatal: Callable[[], None] | None = None) -> None:
+    def __init__(self, settings: Settings, on_fatal: Callable[[], None] | None = None,
+                 registry: prometheus_client.CollectorRegistry | None = None) -> None:
         self.settings = settings
         self.state = ServerState()
         self._on_fatal = on_fatal
         self._boot_task: asyncio.Task | None = None
         self._exit_stack = contextlib.AsyncExitStack()
-        self.admission = Admission.from_settings(settings)
+        # vLLM's registry by default, so /metrics serves both (see metrics()); tests pass their own.
+        self.metrics = Metrics(registry if registry is not None else prometheus_client.REGISTRY)
+        self.admission = Admission.from_settings(settings, self.metrics)
         self.intake = Intake.from_settings(settings)
         self.keys = ApiKeys.load(settings.api_keys, settings.api_key_file)
         self.routes = RouteTable(settings.open_routes)
@@ -108,7 +115,7 @@ class Gateway:
             routes=[
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.ready, methods=["GET"]),
-                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/metrics", self.metrics_page, methods=["GET"]),
                 Route("/admin/autotuner", self.autotuner_state, methods=["GET"]),
                 Route("/limits", self.limits, methods=["GET"]),
                 Route("/admin/routes", self.route_table, methods=["GET"]),
@@ -123,7 +130,7 @@ class Gateway:
             await self.own(scope, receive, send)
             return
         if scope["type"] == "http":
-            send = http_metrics.counting(scope, send)
+            send = http_metrics.counting(scope, send, self.metrics.http_responses)
             if scope.get("path") not in self._open_paths and not self.keys.permits(scope):
                 await unauthorized()(scope, receive, send)
                 return
@@ -138,7 +145,17 @@ class Gateway:
             if scope["type"] == "http":
                 await self._unavailable()(scope, receive, send)
             return
-        await inner(scope, receive, send)
+        try:
+            await inner(scope, receive, send)
+        except Exception:
+            # An error no layer answered (vLLM's app re-raises what it does not handle):
+            # the client gets an OpenAI-style 500, counted like every answer, instead of
+            # uvicorn's plain-text one that no counter sees.
+            if scope["type"] != "http" or "status" in scope.get(REQUEST_STATE_KEY, {}):
+                raise
+            log.exception("unhandled error on %s", scope.get("path"))
+            await openai_error(500, "internal server error", type_="server_error")(
+                scope, receive, send)
 
     def _unavailable(self) -> Response:
         phase = self.state.phase.value
@@ -166,7 +183,7 @@ class Gateway:
         headers = None if ok else {"Retry-After": str(BOOT_RETRY_AFTER_S)}
         return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
-    async def metrics(self, request: Request) -> Response:
+    async def metrics_page(self, request: Request) -> Response:
         """Prometheus exposition of vLLM's registry (which also holds our series)."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -195,11 +212,15 @@ class Gateway:
         })
 
     async def route_table(self, request: Request) -> Response:
-        """Every route of vLLM's app as it runs here, with its policy (``serve.routes``), and
-        the ones the table does not classify (closed, and a test fails on them)."""
-        routes = [{"path": path, "methods": list(methods), "policy": self.routes.policy(path)}
-                  for path, methods in self.state.vllm_routes]
-        return JSONResponse({"routes": routes, "unclassified": self.routes.unclassified(
+        """Every route this server answers: ours (policy ``own``) and vLLM's app as it runs
+        here with its policy (``serve.routes``; ``open`` tells whether requests reach it), and
+        vLLM's routes the table does not classify (closed, and a test fails on them)."""
+        own = [{"path": r.path, "methods": sorted(r.methods or ()), "policy": "own",
+                "open": True} for r in self.own.routes]
+        vllm = [{"path": path, "methods": list(methods), "policy": self.routes.policy(path),
+                 "open": self.routes.policy(path) not in (OPTIONAL, CLOSED)}
+                for path, methods in self.state.vllm_routes if path not in self._own_paths]
+        return JSONResponse({"routes": own + vllm, "unclassified": self.routes.unclassified(
             path for path, _ in self.state.vllm_routes)})
 
     async def autotuner_state(self, request: Request) -> Response:
@@ -228,7 +249,7 @@ class Gateway:
             yield
         finally:
             self.state.phase = Phase.DRAINING
-            http_metrics.READY.set(0)
+            self.metrics.ready.set(0)
             if self._boot_task and not self._boot_task.done():
                 self._boot_task.cancel()
                 with contextlib.suppress(BaseException):
@@ -268,7 +289,7 @@ class Gateway:
             return
         self.state.ready_after_s = time.monotonic() - self.state.started_at
         self.state.phase = Phase.READY
-        http_metrics.READY.set(1)
+        self.metrics.ready.set(1)
         log.info("engine config: %s", json.dumps(engine_mod.engine_config_summary(engine)))
         log.info("ready in %.1f s: model %r at http://%s:%d/v1", self.state.ready_after_s,
                  self.settings.model_name, self.settings.host, self.settings.port)

@@ -14,6 +14,8 @@ vLLM's app:
   an error gets one error event.
 - A chunk that carries nothing (an empty ``content`` delta with no role, no finish reason),
   which vLLM sends after the role chunk when ``stop`` is set, is dropped.
+- A Responses stream cut by ``max_output_tokens`` ends with ``response.incomplete`` (vLLM
+  names it ``response.completed`` whatever the status).
 
 Every ``text/event-stream`` response also gets ``Cache-Control: no-cache`` and
 ``X-Accel-Buffering: no`` (:data:`SSE_HEADERS`).
@@ -71,8 +73,10 @@ class _Stream:
             await self._event(event + b"\n\n")
 
     async def _event(self, event: bytes) -> None:
-        if not self.sse.chunks:  # Responses API: typed events, nothing to rewrite
+        if not self.sse.chunks:  # Responses API: typed events
             self.closed = event.startswith(self.sse.done + self.sse.error)
+            if event.startswith(COMPLETED_EVENT):
+                event = incomplete_as_such(event)
             await self.emit(event)
             return
         payload = event.strip()
@@ -103,6 +107,23 @@ class _Stream:
         if empty_delta(data):
             return  # a chunk that carries nothing (vLLM sends one when `stop` is set)
         await self.emit(event)
+
+
+COMPLETED_EVENT = b"event: response.completed\n"
+
+
+def incomplete_as_such(event: bytes) -> bytes:
+    """A ``response.completed`` event whose response is ``incomplete`` (cut by
+    ``max_output_tokens``), renamed ``response.incomplete`` as the OpenAI Responses streaming
+    reference names it (vLLM 0.32 sends ``response.completed`` for both). Once per stream."""
+    try:
+        data = json.loads(event[len(COMPLETED_EVENT):].strip().removeprefix(b"data: "))
+    except ValueError:
+        return event
+    if not isinstance(data, dict) or (data.get("response") or {}).get("status") != "incomplete":
+        return event
+    data["type"] = "response.incomplete"
+    return b"event: response.incomplete\ndata: " + json.dumps(data).encode() + b"\n\n"
 
 
 def empty_delta(data) -> bool:

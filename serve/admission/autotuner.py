@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from serve.admission import metrics
 from serve.admission.controller import Controller, Decision, Signals
 from serve.admission.limiter import AdmissionLimiter
 from serve.admission.signals import EngineStatsFeed
+from serve.metrics import Metrics
 
 log = logging.getLogger("serve.autotuner")
 
@@ -58,20 +58,22 @@ class Autotuner:
     """Samples signals every ``interval_s`` and moves the limiter's limit (mode ``auto``).
 
     In mode ``static`` it still samples (for ``/admin/autotuner`` and the metrics) but never
-    changes the limit.
+    changes the limit. Decisions and GPU utilization are exported to ``metrics`` (a private
+    registry when None, as in the simulator).
     """
 
     def __init__(self, controller: Controller, limiter: AdmissionLimiter, feed: EngineStatsFeed,
                  mode: Mode = "auto", interval_s: float = 2.0,
                  gpu: GpuUtilization | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 metrics: Metrics | None = None) -> None:
         self.controller = controller
         self.limiter = limiter
         self.feed = feed
         self.mode = mode
         self.interval_s = interval_s
         self.gpu = gpu if gpu is not None else GpuUtilization()
-        self.gpu_gauge = metrics.GpuUtilizationGauge()
+        self.metrics = metrics if metrics is not None else Metrics()
         self._clock = clock
         self._last_preemptions = feed.preemptions_total
         self.last_signals: Signals | None = None
@@ -102,7 +104,7 @@ class Autotuner:
         """One control step: sample, decide, apply, export."""
         signals = self.sample()
         self.last_signals = signals
-        self.gpu_gauge.set(signals.gpu_utilization)
+        self.metrics.set_gpu_utilization(signals.gpu_utilization)
         if self.mode == "auto":
             decision = self.controller.step(signals)
             if decision.new_limit != self.limiter.limit:
@@ -114,7 +116,7 @@ class Autotuner:
             limit = self.limiter.limit
             decision = Decision(signals.t, limit, limit, "hold", "static")
             self.controller.decisions.append(decision)
-        metrics.record_decision(decision.direction, decision.reason)
+        self.metrics.record_decision(decision.direction, decision.reason)
         return decision
 
     async def run(self) -> None:

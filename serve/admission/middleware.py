@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.admission import metrics
 from serve.admission.limiter import AdmissionLimiter, Rejected
 from serve.asgi import IMAGES_SCOPE_KEY, REQUEST_STATE_KEY, ClientGone, read_body, replay
 from serve.errors import openai_error
+from serve.metrics import Metrics
 from serve.routes import GENERATION_ROUTES
 from serve.sse import CHAT_SSE, SseDialect, dialect
 
@@ -131,14 +131,17 @@ class AdmissionMiddleware:
         app: the wrapped ASGI app (vLLM's OpenAI app).
         limiter: the shared admission limiter.
         slo: latency targets (goodput and SLO shedding).
+        metrics: where arrivals, refusals, queue waits, finishes, aborts, goodput and TTFT
+            are counted.
         clock: monotonic clock, seconds.
     """
 
     def __init__(self, app: ASGIApp, limiter: AdmissionLimiter, slo: SloTargets,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
         self.app = app
         self.limiter = limiter
         self.slo = slo
+        self.metrics = metrics
         self.clock = clock
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -146,24 +149,25 @@ class AdmissionMiddleware:
                 or scope.get("path") not in GENERATION_ROUTES):
             await self.app(scope, receive, send)
             return
+        metrics = self.metrics
         arrival = self.clock()
         try:
             body = await read_body(receive)
-            metrics.REQUESTS.inc()
+            metrics.requests.inc()
             # Counted by the intake, which already parsed the body (0 for /v1/completions).
-            metrics.IMAGES.observe(scope.get(IMAGES_SCOPE_KEY, 0))
+            metrics.images.observe(scope.get(IMAGES_SCOPE_KEY, 0))
             slot = await self._acquire(receive)
         except ClientGone:
             return
         except Rejected as rej:
-            metrics.REJECTED.labels(reason=rej.reason).inc()
-            metrics.QUEUE_WAIT.observe(rej.queue_wait_s)
+            metrics.rejected.labels(reason=rej.reason).inc()
+            metrics.queue_wait.observe(rej.queue_wait_s)
             response = openai_error(429, str(rej), type_="rate_limit_exceeded",
                                     headers={"Retry-After": str(rej.retry_after_s),
                                              "X-Phi3v-Reject-Reason": rej.reason})
             await response(scope, receive, send)
             return
-        metrics.QUEUE_WAIT.observe(slot.queue_wait_s)
+        metrics.queue_wait.observe(slot.queue_wait_s)
         tracker = ResponseTracker(arrival, self.clock, sse=dialect(scope.get("path")))
         try:
             await self.app(scope, tracker.watch(replay(body, receive),
@@ -173,13 +177,13 @@ class AdmissionMiddleware:
             completed = tracker.completed
             slot.release(completed=completed)
             if tracker.client_left:
-                metrics.ABORTED.inc()
+                metrics.aborted.inc()
             if completed:
-                metrics.FINISHED.inc()
+                metrics.finished.inc()
                 if tracker.streaming and tracker.ttft_s() is not None:
-                    metrics.TTFT.observe(tracker.ttft_s())
+                    metrics.ttft.observe(tracker.ttft_s())
                 if tracker.meets(self.slo):
-                    metrics.GOODPUT.inc()
+                    metrics.goodput.inc()
 
     async def _acquire(self, receive: Receive):
         """Take a slot, giving up (``ClientGone``) if the client disconnects while queued."""

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serve.admission import metrics
 from serve.admission.autotuner import Autotuner
 from serve.admission.capacity import kv_safe_seqs
 from serve.admission.controller import Controller, ControllerConfig
 from serve.admission.limiter import AdmissionLimiter
 from serve.admission.middleware import AdmissionMiddleware, SloTargets
 from serve.admission.signals import EngineStatsFeed, stat_logger_factory
+from serve.metrics import Metrics
 from serve.settings import Settings
 
 
@@ -34,37 +34,41 @@ class Admission:
     feed: EngineStatsFeed
     autotuner: Autotuner
     slo: SloTargets
+    metrics: Metrics
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "Admission":
+    def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> "Admission":
+        """The admission pieces for ``settings``, exported to ``metrics`` (a private registry
+        when None)."""
         s = settings.resolved()
+        metrics = metrics if metrics is not None else Metrics()
         config = controller_config(s)
         limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s,
                                    ceiling=s.max_num_seqs, engine_queue=s.engine_queue)
         feed = EngineStatsFeed(window_s=s.autotune_window_s)
         autotuner = Autotuner(Controller(config, s.admission_limit), limiter, feed,
-                              mode=s.autotune, interval_s=s.autotune_interval_s)
-        admission = cls(limiter, feed, autotuner, SloTargets(s.slo_ttft_s, s.slo_itl_s))
+                              mode=s.autotune, interval_s=s.autotune_interval_s,
+                              metrics=metrics)
+        admission = cls(limiter, feed, autotuner, SloTargets(s.slo_ttft_s, s.slo_itl_s), metrics)
         admission.export()
         return admission
 
     def export(self) -> None:
         """Bind the gauges to live values (read at scrape time, never stale)."""
-        lim = self.limiter
-        metrics.PENDING.set_function(lambda: lim.pending)
-        metrics.RUNNING.set_function(lambda: lim.in_flight)
-        metrics.MAX_NUM_SEQS.set_function(lambda: lim.limit)
+        lim, m = self.limiter, self.metrics
+        m.pending.set_function(lambda: lim.pending)
+        m.running.set_function(lambda: lim.in_flight)
+        m.max_num_seqs.set_function(lambda: lim.limit)
         config = self.autotuner.controller.config
-        metrics.CEILING.set(config.ceiling)
-        metrics.MIN_SEQS.set(config.min_seqs)
-        metrics.HEADROOM.set(config.headroom)
-        metrics.KV_HIGH.set(config.kv_high_ratio)
-        metrics.GPU_BUSY.set(config.gpu_busy_ratio)
-        metrics.MAX_QUEUE.set(lim.max_queue)
-        metrics.SLO_TTFT.set(self.slo.ttft_s)
-        metrics.SLO_ITL.set(self.slo.itl_s)
-        metrics.AUTOTUNER_AUTO.set(1 if self.autotuner.mode == "auto" else 0)
-        metrics.init_decision_series()
+        m.ceiling.set(config.ceiling)
+        m.min_seqs.set(config.min_seqs)
+        m.headroom.set(config.headroom)
+        m.kv_high.set(config.kv_high_ratio)
+        m.gpu_busy.set(config.gpu_busy_ratio)
+        m.max_queue.set(lim.max_queue)
+        m.slo_ttft.set(self.slo.ttft_s)
+        m.slo_itl.set(self.slo.itl_s)
+        m.auto_mode.set(1 if self.autotuner.mode == "auto" else 0)
 
     def apply_kv_capacity(self, settings: Settings, kv_tokens: int | None) -> int | None:
         """Start the autotuner at the engine's KV-safe capacity (``serve.admission.capacity``).
@@ -84,7 +88,7 @@ class Admission:
             return None
         s = settings.resolved()
         capacity = kv_safe_seqs(kv_tokens, s.num_crops, s.max_num_seqs)
-        metrics.KV_SAFE_SEQS.set(capacity)
+        self.metrics.kv_safe_seqs.set(capacity)
         if s.autotune == "auto" and settings.admission_limit is None:
             self.autotuner.controller.set_start(capacity)
             self.limiter.set_limit(self.autotuner.controller.limit)
@@ -96,4 +100,4 @@ class Admission:
 
     def wrap(self, app) -> AdmissionMiddleware:
         """``app`` behind admission control."""
-        return AdmissionMiddleware(app, self.limiter, self.slo)
+        return AdmissionMiddleware(app, self.limiter, self.slo, self.metrics)

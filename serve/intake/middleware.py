@@ -85,32 +85,37 @@ class IntakeMiddleware:
         except ClientGone:
             return
         try:
-            scope = unique_request_id_header(scope)
-            body, images = await self.process(raw, protocol)
+            scope, request_id = unique_request_id_header(scope)
+            body, images = await self.process(raw, protocol, request_id)
         except IntakeError as err:
             await err.response()(scope, receive, send)
             return
         scope = {**with_content_length(scope, len(body)), IMAGES_SCOPE_KEY: images}
+        if request_id is not None:
+            send = echo_request_id(send, request_id)
         await self.app(scope, replay(body, receive), send)
 
-    async def process(self, raw: bytes, protocol: str = CHAT) -> tuple[bytes, int]:
+    async def process(self, raw: bytes, protocol: str = CHAT,
+                      request_id: str | None = None) -> tuple[bytes, int]:
         """The cleaned request body and its number of images.
 
         A body of at most :data:`INLINE_MAX_BYTES` without images whose prompt provably fits
         (:meth:`PromptBudget.check`'s bound) is handled on the event loop: microseconds,
         less than a thread hop. Everything else runs in one worker thread (two when image
-        URLs must be fetched in between).
+        URLs must be fetched in between). ``request_id`` (the client's ``X-Request-Id``, made
+        unique) becomes a Responses body's ``request_id`` when it has none: vLLM names a
+        response after the body field only.
 
         Raises:
             IntakeError: the first client mistake found.
         """
         if len(raw) <= INLINE_MAX_BYTES:
-            request = self.parse(raw, protocol)
+            request = self.parse(raw, protocol, request_id)
             if not request.images and (self.budget is None or request.messages is None
                                        or self.budget.fits(request)):
                 return self.serialize(request)
         else:
-            done = await asyncio.to_thread(self.parse_and_finish, raw, protocol)
+            done = await asyncio.to_thread(self.parse_and_finish, raw, protocol, request_id)
             if not isinstance(done, GenerationRequest):
                 return done
             request = done
@@ -118,12 +123,12 @@ class IntakeMiddleware:
             return await self.fetch_and_finish(request)
         return await asyncio.to_thread(self.finish, request, {})
 
-    def parse_and_finish(self, raw: bytes,
-                         protocol: str = CHAT) -> tuple[bytes, int] | GenerationRequest:
+    def parse_and_finish(self, raw: bytes, protocol: str = CHAT, request_id: str | None = None
+                         ) -> tuple[bytes, int] | GenerationRequest:
         """:meth:`parse` then :meth:`finish` in the calling (worker) thread, unless an image URL
         must be fetched first: then the parsed request is returned for :meth:`fetch_and_finish`.
         """
-        request = self.parse(raw, protocol)
+        request = self.parse(raw, protocol, request_id)
         if not all(ref.is_data_url for ref in request.images):
             return request
         return self.finish(request, {})
@@ -137,12 +142,14 @@ class IntakeMiddleware:
                 fetched[k] = await fetch_image_url(ref.url, self.url_policy, ref.param)
         return await asyncio.to_thread(self.finish, request, fetched)
 
-    def parse(self, raw: bytes, protocol: str = CHAT) -> GenerationRequest:
+    def parse(self, raw: bytes, protocol: str = CHAT,
+              request_id: str | None = None) -> GenerationRequest:
         """JSON and structure checks (CPU-bound for a large body: run it in a worker thread).
 
         Args:
             raw: the request body.
             protocol: the route's protocol (``serve.routes``: chat, completions, responses).
+            request_id: the client's ``X-Request-Id`` made unique, if it sent one.
 
         Raises:
             IntakeError: 400 naming the field.
@@ -151,7 +158,11 @@ class IntakeMiddleware:
             data = json.loads(raw)
         except ValueError as exc:
             raise IntakeError(400, f"request body is not valid JSON ({exc})") from None
+        except RecursionError:
+            raise IntakeError(400, "request body is nested too deeply") from None
         request = PARSERS[protocol](data, self.limits)
+        if protocol == RESPONSES and request_id is not None and "request_id" not in data:
+            data["request_id"] = request_id
         for name in REFUSED_FIELDS:
             if data.get(name) is not None:
                 raise IntakeError(400, f"{name} is not accepted by this server", name)
@@ -199,17 +210,33 @@ class IntakeMiddleware:
         return json.dumps(request.body).encode(), len(request.images)
 
 
-def unique_request_id_header(scope: Scope) -> Scope:
-    """``scope`` with a client's ``X-Request-Id`` made unique (:func:`check_request_id`):
-    vLLM names the response after it, so two requests sharing an id would share a response id.
+def unique_request_id_header(scope: Scope) -> tuple[Scope, str | None]:
+    """``scope`` with a client's ``X-Request-Id`` made unique (:func:`check_request_id`), and
+    that id (None when the client sent none): vLLM names the response after it, so two
+    requests sharing an id would share a response id.
 
     Raises:
         IntakeError: 400 naming ``X-Request-Id`` when the id is over 256 characters or holds
             control characters.
     """
     headers = scope.get("headers") or []
-    if not any(name == REQUEST_ID_HEADER for name, _ in headers):
-        return scope
-    rewritten = [(name, check_request_id(value.decode("latin-1"), "X-Request-Id").encode(
-        "latin-1") if name == REQUEST_ID_HEADER else value) for name, value in headers]
-    return {**scope, "headers": rewritten}
+    sent = [value for name, value in headers if name == REQUEST_ID_HEADER]
+    if not sent:
+        return scope, None
+    unique = check_request_id(sent[0].decode("latin-1"), "X-Request-Id")
+    rewritten = [(name, value) for name, value in headers if name != REQUEST_ID_HEADER]
+    rewritten.append((REQUEST_ID_HEADER, unique.encode("latin-1")))
+    return {**scope, "headers": rewritten}, unique
+
+
+def echo_request_id(send: Send, request_id: str) -> Send:
+    """``send`` that adds ``X-Request-Id: <request_id>`` to the response head, so a client
+    finds the unique id its request ran under."""
+    async def _send(message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers") or []
+                       if k.lower() != REQUEST_ID_HEADER]
+            message = {**message, "headers": [*headers, (REQUEST_ID_HEADER,
+                                                         request_id.encode("latin-1"))]}
+        await send(message)
+    return _send

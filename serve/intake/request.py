@@ -117,8 +117,19 @@ class GenerationRequest:
         return field, value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def neutralise(text: str) -> str:
-    """User text with Phi-3 control sequences made inert (see module docstring)."""
+def neutralise(text: str, param: str | None = None) -> str:
+    """User text with Phi-3 control sequences made inert (see module docstring).
+
+    Raises:
+        IntakeError: 400 naming ``param`` when the text is not valid Unicode (a lone UTF-16
+            surrogate such as ``"\\ud800"``, which JSON allows but no tokenizer can encode).
+    """
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise IntakeError(400, "text is not valid Unicode (it holds a lone UTF-16 "
+                              "surrogate)", param) from None
     return text.replace(CONTROL_PREFIX, NEUTRALISED_PREFIX)
 
 
@@ -149,7 +160,7 @@ def _check_part(part: Any, role: str, i: int, j: int, images: list[ImageRef]) ->
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise IntakeError(400, "a text part needs a string 'text'", f"{param}.text")
-        part["text"] = neutralise(part["text"])
+        part["text"] = neutralise(part["text"], f"{param}.text")
     elif kind == "image_url":
         if role != "user":
             raise IntakeError(400, f"images are accepted in user messages only, not {role}",
@@ -213,7 +224,7 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
         role = check_role(message, ROLES, f"messages[{i}]")
         content = message.get("content")
         if isinstance(content, str):
-            message["content"] = neutralise(content)
+            message["content"] = neutralise(content, f"messages[{i}].content")
         elif isinstance(content, list):
             if not content:
                 raise IntakeError(400, "content must not be an empty list",
@@ -250,9 +261,14 @@ def check_request_id(value: Any, param: str) -> str:
     return f"{value}-{secrets.token_hex(4)}"
 
 
+#: Body fields bounding the answer length, over the three generation protocols.
+ANSWER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
 def check_common(body: dict, limits: RequestLimits) -> None:
-    """Checks every generation route shares: ``n`` and a client-chosen ``request_id`` (made
-    unique in place, see :func:`check_request_id`).
+    """Checks every generation route shares: ``n``, the answer-length fields (integers of at
+    least 1, each named in its error) and a client-chosen ``request_id`` (made unique in
+    place, see :func:`check_request_id`).
 
     Raises:
         IntakeError: 400 naming the field.
@@ -264,6 +280,12 @@ def check_common(body: dict, limits: RequestLimits) -> None:
                           "a full generation; send separate requests instead)", "n")
     if body.get("request_id") is not None:
         body["request_id"] = check_request_id(body["request_id"], "request_id")
+    for field in ANSWER_FIELDS:
+        value = body.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise IntakeError(400, f"{field} must be an integer of at least 1; got {value!r}",
+                              field)
 
 
 def check_image_count(images: list[ImageRef], limits: RequestLimits) -> None:

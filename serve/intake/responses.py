@@ -11,10 +11,15 @@ OpenAI API documents them, and as vLLM 0.32 turns them into chat messages):
   (``text``), ``refusal`` (assistant), ``input_image`` (``image_url``: a ``data:`` URL or,
   when enabled, an ``https`` URL; ``detail``: ``auto``, ``low``, ``high`` or null).
 
+Text parts are rewritten to the type vLLM's schema takes where they stand: ``output_text``
+inside an output message (an assistant item with ``id`` and ``status``, as the SDK returns
+it), else ``input_text`` (vLLM refuses ``output_text`` in the short form, and cannot render a
+``refusal`` part at all).
+
 Refused with a 400 naming the field: other item types (tool calls and their outputs,
-reasoning items: Phi-3-vision has no tool or reasoning format), ``input_image.file_id`` and
-``input_file`` (this server stores no files), images outside user messages, and
-``previous_response_id`` unless vLLM's response store is on (it is off by default).
+reasoning items) and ``tools`` (Phi-3-vision has no tool or reasoning format),
+``input_image.file_id`` and ``input_file`` (this server stores no files), images outside user
+messages, and ``previous_response_id`` (vLLM's response store is off by default).
 """
 
 from __future__ import annotations
@@ -40,12 +45,23 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 TEXT_PARTS = ("input_text", "output_text")
 
 
-def _text(part: dict, where: str) -> str:
+def _text(part: dict, where: str, output_message: bool) -> str:
+    """A text part's text, neutralised; the part is rewritten to the one text type vLLM's
+    schema accepts where it stands: ``output_text`` (with ``annotations``) inside an output
+    message (assistant item with ``id`` and ``status``), else ``input_text``. A ``refusal``
+    part becomes text too (vLLM cannot render one: it answered 500)."""
     key = "refusal" if part["type"] == "refusal" else "text"
     if not isinstance(part.get(key), str):
         raise IntakeError(400, f"a {part['type']} part needs a string '{key}'", f"{where}.{key}")
-    part[key] = neutralise(part[key])
-    return part[key]
+    text = neutralise(part.pop(key), f"{where}.{key}")
+    part["text"] = text
+    if output_message:
+        part.update(type="output_text", annotations=part.get("annotations") or [])
+    else:
+        part["type"] = "input_text"
+        part.pop("annotations", None)
+        part.pop("logprobs", None)
+    return text
 
 
 def _image(part: dict, role: str, where: str) -> ImageRef:
@@ -76,8 +92,9 @@ def _message(item: Any, where: str, images: list[ImageRef]) -> dict:
     role = check_role(item, ROLES, where)
     content = item.get("content")
     if isinstance(content, str):
-        item["content"] = neutralise(content)
+        item["content"] = neutralise(content, f"{where}.content")
         return {"role": ROLES[role], "content": item["content"]}
+    output_message = role == "assistant" and "id" in item and "status" in item
     if not isinstance(content, list) or not content:
         raise IntakeError(400, "content must be a string or a non-empty list of parts",
                           f"{where}.content")
@@ -87,7 +104,7 @@ def _message(item: Any, where: str, images: list[ImageRef]) -> dict:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise IntakeError(400, "a content part must be an object with a 'type'", at)
         if part["type"] in TEXT_PARTS or (part["type"] == "refusal" and role == "assistant"):
-            parts.append({"type": "text", "text": _text(part, at)})
+            parts.append({"type": "text", "text": _text(part, at, output_message)})
         elif part["type"] == "input_image":
             images.append(_image(part, role, at))
             parts.append({"type": "image_url"})
@@ -110,6 +127,9 @@ def parse_responses_request(body: Any, limits: RequestLimits) -> GenerationReque
     if not isinstance(body, dict):
         raise IntakeError(400, "request body must be a JSON object")
     check_common(body, limits)
+    if body.get("tools"):
+        raise IntakeError(400, "tools are not supported: Phi-3-vision has no tool-call format",
+                          "tools")
     if body.get("previous_response_id") is not None:
         raise IntakeError(400, "previous_response_id is not supported (responses are not "
                           "stored); send the conversation in input", "previous_response_id")
@@ -118,12 +138,12 @@ def parse_responses_request(body: Any, limits: RequestLimits) -> GenerationReque
     if instructions is not None:
         if not isinstance(instructions, str):
             raise IntakeError(400, "instructions must be a string", "instructions")
-        body["instructions"] = neutralise(instructions)
+        body["instructions"] = neutralise(instructions, "instructions")
         messages.append({"role": "system", "content": body["instructions"]})
     images: list[ImageRef] = []
     data = body.get("input")
     if isinstance(data, str):
-        body["input"] = neutralise(data)
+        body["input"] = neutralise(data, "input")
         messages.append({"role": "user", "content": body["input"]})
     elif isinstance(data, list) and data:
         messages += [_message(item, f"input[{i}]", images) for i, item in enumerate(data)]

@@ -9,6 +9,7 @@ file), so the tests run after ``make ui-install`` at no cost, or create it on fi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -114,6 +115,27 @@ class ChatPage:
     def __init__(self, page, base_url: str) -> None:
         self.page = page
         self.base_url = base_url
+        #: Socket.IO events the page received, as (event name, payload dict), in order.
+        self.events: list[tuple[str, dict]] = []
+        page.on("websocket", lambda ws: ws.on("framereceived", self._on_frame))
+
+    def _on_frame(self, frame) -> None:
+        """Record one websocket frame if it is a Socket.IO event (``42["name", {...}]``)."""
+        text = frame if isinstance(frame, str) else frame.decode(errors="replace")
+        if not text.startswith("42["):
+            return
+        try:
+            name, *args = json.loads(text[2:])
+        except ValueError:
+            return
+        self.events.append((name, args[0] if args and isinstance(args[0], dict) else {}))
+
+    def tokens_since(self, start: int) -> list[str]:
+        """The pieces in which an answer reached the browser since event number ``start``:
+        the first in Chainlit's ``stream_start`` (the new message, its ``output``), the rest
+        one ``stream_token`` event each."""
+        return [e.get("output", "") if name == "stream_start" else e.get("token", "")
+                for name, e in self.events[start:] if name in ("stream_start", "stream_token")]
 
     async def login(self, user: str, password: str) -> None:
         await self.page.goto(f"{self.base_url}/login")

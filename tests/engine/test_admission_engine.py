@@ -169,7 +169,8 @@ async def test_autotuner_raises_limit_and_admission_follows(server):
         assert raised_at is not None, "the autotuner never raised the limit under demand"
         decisions = httpx.get(f"{server.base_url}/admin/autotuner").json()["decisions"]
         ups = [d for d in decisions if d["direction"] == "up"]
-        assert ups and ups[-1]["reason"] == "demand" and ups[-1]["new_limit"] == limit
+        # (another step may have followed the one observed: any up step reached `limit`)
+        assert any(d["reason"] == "demand" and d["new_limit"] == limit for d in ups), ups
         # Admission follows within one interval: more requests in flight than the old limit.
         admitted = None
         while time.monotonic() - raised_at < interval + 0.5:

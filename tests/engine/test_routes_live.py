@@ -18,14 +18,17 @@ def test_every_vllm_route_is_classified_and_enforced(server):
     """The routes of vLLM's app *as it runs* (not a copied list): each one is in the table,
     closed and optional ones answer 404, served ones answer."""
     table = httpx.get(f"{server.base_url}/admin/routes", timeout=10).json()
-    live = {r["path"] for r in table["routes"]}
+    own = {r["path"] for r in table["routes"] if r["policy"] == "own"}
+    live = {r["path"] for r in table["routes"] if r["policy"] != "own"}
     assert table["unclassified"] == [], "vLLM serves routes serve/routes.py does not classify"
+    assert {"/health", "/ready", "/metrics", "/limits", "/admin/routes"} <= own
     assert {"/v1/chat/completions", "/v1/responses", "/scale_elastic_ep"} <= live
     assert live <= set(VLLM_ROUTES) | {"/docs", "/redoc", "/openapi.json"}
     with httpx.Client(timeout=30) as client:
         for route in table["routes"]:
             status = _probe(client, server.base_url, route["path"], route["methods"])
-            if route["policy"] in (CLOSED, OPTIONAL):
+            assert route["open"] == (route["policy"] not in (CLOSED, OPTIONAL)), route
+            if not route["open"]:
                 assert status == 404, route
             else:
                 assert status != 404, route

@@ -48,9 +48,9 @@ def test_k8s_api_probes_ports_env_and_metrics():
     assert pm["path"] == "/metrics"
     assert {"targetLabel": "job", "replacement": "phi3v"} in pm["relabelings"]
     hpa_metric = docs["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
-    from serve.admission import metrics
+    from serve.metrics import Metrics
 
-    assert hpa_metric == metrics.PENDING._name
+    assert hpa_metric == Metrics().pending._name
     # The args are valid flags of python -m serve.
     flags = {a[2:].replace("-", "_") for a in c["args"] if a.startswith("--")}
     assert flags <= set(Settings.model_fields)

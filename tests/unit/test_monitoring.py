@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -279,3 +280,40 @@ def test_dashboard_structure(path):
         if p["type"] in ("timeseries", "stat"):
             unit = p["fieldConfig"]["defaults"].get("unit")
             assert isinstance(unit, str) and unit, f"{title}: no unit"
+
+
+# --- the phi3v_* series: one declaration, one table --------------------------------------------
+def _readme_series() -> dict[str, str]:
+    """``{series name: type}`` from the table in monitoring/README.md (labels stripped)."""
+    text = (MONITORING / "README.md").read_text()
+    rows = re.findall(r"^\| `(phi3v_[a-z_]+)(?:\{[^}]*\})?` \| (\w+) \|", text, re.M)
+    return dict(rows)
+
+
+def test_series_table_equals_what_the_code_registers():
+    from serve.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.set_gpu_utilization(0.5)  # the one series registered lazily (where NVML sees a GPU)
+    registered = {m.name + ("_total" if m.type == "counter" else ""): m.type
+                  for m in metrics.registry.collect()}
+    assert registered == _readme_series()
+    assert sorted(registered) == metrics.names()
+
+
+def test_metrics_are_per_registry_and_the_simulator_touches_no_global_one():
+    code = (
+        "import prometheus_client\n"
+        "from serve.metrics import Metrics\n"
+        "from bench.sim import simulate\n"
+        "from bench.trace import phase_trace\n"
+        "a, b = Metrics(), Metrics()\n"  # two at once: nothing is process-global
+        "a.requests.inc()\n"
+        "assert b.requests._value.get() == 0\n"
+        "run = simulate(phase_trace(seed=3, phase_s=10), 'auto')\n"
+        "names = [m.name for m in prometheus_client.REGISTRY.collect()]\n"
+        "print(len(run.requests), sum(n.startswith('phi3v') for n in names))\n")
+    out = _run(sys.executable, "-c", code)
+    assert out.returncode == 0, out.stderr
+    results, global_series = map(int, out.stdout.split())
+    assert results > 0 and global_series == 0

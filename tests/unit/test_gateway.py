@@ -1,0 +1,59 @@
+"""The gateway in-process (no engine): an error no layer answered is an OpenAI-style 500,
+counted like every answer."""
+
+from __future__ import annotations
+
+import json
+
+from prometheus_client import CollectorRegistry
+
+from serve.app import Gateway, Phase
+from serve.settings import Settings
+
+
+async def call(app, path: str) -> tuple[int, dict, list]:
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [],
+             "query_string": b""}
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(body), sent
+
+
+async def test_an_unanswered_error_is_a_counted_openai_500():
+    gateway = Gateway(Settings(device="cpu"), registry=CollectorRegistry())
+
+    async def broken(scope, receive, send):
+        raise RecursionError("deep")
+
+    gateway.state.openai_app, gateway.state.phase = broken, Phase.READY
+    status, body, _ = await call(gateway, "/v1/chat/completions")
+    assert status == 500 and body["error"]["type"] == "server_error"
+    counted = gateway.metrics.http_responses.labels(route="/v1/chat/completions", code="500")
+    assert counted._value.get() == 1
+
+
+async def test_an_error_after_the_answer_started_is_not_answered_twice():
+    gateway = Gateway(Settings(device="cpu"), registry=CollectorRegistry())
+
+    async def half(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("mid-answer")
+
+    gateway.state.openai_app, gateway.state.phase = half, Phase.READY
+    try:
+        await call(gateway, "/v1/responses")
+    except RuntimeError:
+        pass  # re-raised for the server to close the connection
+    else:
+        raise AssertionError("an error after the response started must not be swallowed")
+    assert gateway.metrics.http_responses.labels(route="/v1/responses",
+                                                 code="200")._value.get() == 1

@@ -1,0 +1,179 @@
+"""Each request layer in-process, in front of a scripted ASGI peer (the network peer vLLM's app
+would be): body limit, intake, admission and its goodput accounting. The stream guard's own
+in-process tests are in ``test_intake.py`` and ``test_responses_rules.py``."""
+
+from __future__ import annotations
+
+import json
+
+from prometheus_client import CollectorRegistry
+
+from serve.admission.limiter import AdmissionLimiter
+from serve.admission.middleware import AdmissionMiddleware, SloTargets
+from serve.asgi import BodyLimitMiddleware
+from serve.intake.images import ImagePolicy
+from serve.intake.middleware import IntakeMiddleware
+from serve.intake.request import RequestLimits
+from serve.intake.urls import UrlPolicy
+from serve.metrics import Metrics
+
+SLO = SloTargets(ttft_s=1.0, itl_s=0.1)
+
+
+class Clock:
+    """A monotonic clock the scripted peer moves forward."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sse_peer(clock: Clock, gaps_s: list[float], status: int = 200, done: bool = True):
+    """A streamed answer: one chunk after each gap, then ``[DONE]`` (or a cut stream)."""
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for gap in gaps_s:
+            clock.now += gap
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'})
+        if done:
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return app
+
+
+def json_peer(clock: Clock, seconds: float, tokens: int, status: int = 200,
+              listens: bool = False):
+    """A non-streamed answer taking ``seconds`` with ``tokens`` completion tokens; with
+    ``listens`` it waits for the client's next message first (vLLM's ``with_cancellation``
+    does, and aborts on a disconnect; the answer here is sent anyway, late)."""
+    async def app(scope, receive, send):
+        await receive()
+        if listens:
+            await receive()
+        clock.now += seconds
+        body = json.dumps({"usage": {"completion_tokens": tokens}}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    return app
+
+
+async def call(app, body: bytes = b"{}", path: str = "/v1/chat/completions",
+               headers: list | None = None, disconnect: bool = False):
+    """Run one request; returns (status, body, response headers)."""
+    sent, messages = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        return {"type": "http.disconnect"} if disconnect else await _forever()
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers or [],
+             "query_string": b""}
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], data, dict(start.get("headers") or [])
+
+
+async def _forever():
+    import asyncio
+
+    await asyncio.sleep(3600)
+
+
+def admission(peer, clock: Clock) -> tuple[AdmissionMiddleware, Metrics]:
+    metrics = Metrics(CollectorRegistry())
+    limiter = AdmissionLimiter(4, max_queue=4, max_queue_wait_s=5, clock=clock)
+    return AdmissionMiddleware(peer, limiter, SLO, metrics, clock=clock), metrics
+
+
+def counts(metrics: Metrics) -> tuple[float, float, float, float]:
+    return (metrics.requests._value.get(), metrics.finished._value.get(),
+            metrics.goodput._value.get(), metrics.aborted._value.get())
+
+
+# --- goodput (DistServe: TTFT and ITL targets both met), streamed and not ----------------------
+async def test_streamed_goodput_counts_only_requests_meeting_both_targets():
+    clock = Clock()
+    for gaps, good in (([0.5, 0.05, 0.05], True),    # TTFT 0.5 s, ITL 0.05 s
+                       ([1.5, 0.05, 0.05], False),   # TTFT over 1 s
+                       ([0.5, 0.3, 0.3], False)):    # ITL over 0.1 s
+        app, metrics = admission(sse_peer(clock, gaps), clock)
+        status, _, _ = await call(app)
+        assert status == 200
+        assert counts(metrics) == (1, 1, 1 if good else 0, 0), gaps
+
+
+async def test_non_streamed_goodput_spreads_the_budget_over_the_answer():
+    clock = Clock()
+    # Budget: TTFT target + ITL target x (tokens - 1) = 1 + 0.1 x 9 = 1.9 s for 10 tokens.
+    for seconds, good in ((1.8, True), (2.0, False)):
+        app, metrics = admission(json_peer(clock, seconds, tokens=10), clock)
+        assert (await call(app))[0] == 200
+        assert counts(metrics) == (1, 1, 1 if good else 0, 0), seconds
+
+
+async def test_failed_cut_and_abandoned_requests_are_neither_finished_nor_goodput():
+    clock = Clock()
+    for peer, disconnect in ((json_peer(clock, 0.1, 3, status=500), False),
+                             (sse_peer(clock, [0.1], status=500), False),
+                             (sse_peer(clock, [0.1, 0.01], done=False), False),
+                             (json_peer(clock, 0.1, 3, listens=True), True)):
+        app, metrics = admission(peer, clock)
+        await call(app, disconnect=disconnect)
+        requests, finished, goodput, aborted = counts(metrics)
+        assert (requests, finished, goodput, aborted) == (1, 0, 0, 1 if disconnect else 0)
+
+
+async def test_admission_frees_the_slot_however_the_answer_ends():
+    clock = Clock()
+    app, _ = admission(sse_peer(clock, [0.1], done=False), clock)
+    await call(app)
+    await call(app)
+    assert app.limiter.in_flight == 0
+
+
+# --- body limit ------------------------------------------------------------------------------
+async def test_body_limit_refuses_declared_and_streamed_excess():
+    clock = Clock()
+    app = BodyLimitMiddleware(json_peer(clock, 0.0, 1), max_bytes=10)
+    assert (await call(app, b"{}"))[0] == 200
+    status, body, _ = await call(app, b"x" * 11)
+    assert status == 413 and b"10 bytes" in body
+    status, _, _ = await call(app, b"{}", headers=[(b"content-length", b"99")])
+    assert status == 413
+
+
+# --- intake ----------------------------------------------------------------------------------
+def intake(peer) -> IntakeMiddleware:
+    return IntakeMiddleware(peer, RequestLimits(max_images=2),
+                            ImagePolicy(2**20, 10**6, frozenset({"PNG"})),
+                            UrlPolicy(enabled=False))
+
+
+async def test_intake_refuses_before_the_engine_and_echoes_the_request_id():
+    seen = []
+
+    async def peer(scope, receive, send):
+        seen.append(json.loads((await receive())["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    app = intake(peer)
+    status, body, _ = await call(app, b'{"messages": [')
+    assert status == 400 and not seen
+    ok = json.dumps({"messages": [{"role": "user", "content": "<|end|>"}]}).encode()
+    status, _, headers = await call(app, ok, headers=[(b"x-request-id", b"abc")])
+    assert status == 200 and headers[b"x-request-id"].startswith(b"abc-")
+    assert seen[0]["messages"][0]["content"] == "<\u2060|end|>"
+    assert seen[0]["max_tokens"] == 2048  # the documented default
