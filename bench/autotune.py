@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,7 +53,8 @@ from pathlib import Path
 
 from bench.sim import RequestResult, RunResult, Setup, simulate
 from bench.trace import Trace, cpu_trace, phase_trace
-from serve.admission.middleware import SloTargets
+from serve.admission.goodput import SloTargets
+from serve.admission.signals import percentile
 from serve.settings import Settings
 
 #: Static limits compared with ``auto`` (requests): powers of two up to the GPU ceiling.
@@ -71,14 +71,6 @@ STATIC_LIMITS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def gpu_setup() -> Setup:
     """What a GPU server with the current ``serve.settings`` runs."""
     return Setup.from_settings(Settings(device="cuda"))
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile ``q`` (0-100) of ``values``, None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
 @dataclass
@@ -358,6 +350,7 @@ def cpu_engine_benchmark(out: Path, seed: int = 0, urls: list[str] | None = None
     Prints the table and the final line, writes ``cpu-results.json`` and the server logs to
     ``out``."""
     from bench import cpu_engine as ce
+    from bench import process
 
     t_start = time.monotonic()
     trace = cpu_trace(seed, phase_s)
@@ -384,12 +377,12 @@ def cpu_engine_benchmark(out: Path, seed: int = 0, urls: list[str] | None = None
             replays.append(replay)
             extra.append({"url": url})
     else:
-        ce.ensure_tiny_model()
-        bodies = ce.build_bodies(trace, ce.TINY_MODEL.name)
+        process.ensure_tiny_model()
+        bodies = ce.build_bodies(trace, process.TINY_MODEL.name)
         common = ["--slo-ttft-s", f"{slo.ttft_s:g}", "--slo-itl-s", f"{slo.itl_s:g}"]
         settings = cpu_settings(limits)
         print(f"  {len(settings)} servers, one at a time: python -m serve --model "
-              f"{ce.TINY_MODEL.relative_to(ce.ROOT)} {' '.join(common)} plus "
+              f"{process.TINY_MODEL.relative_to(process.ROOT)} {' '.join(common)} plus "
               f"'{' '.join(settings[0].args)}' (auto) or '--autotune static "
               f"--admission-limit L'; CPU ceiling max_num_seqs 32, so L=64..256 are L=32",
               flush=True)

@@ -42,18 +42,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import workloads as w
-from bench.autotune import percentile
-from bench.cpu_engine import (
-    IMAGES_DIR,
+from bench.cpu_engine import IMAGES_DIR, real_photos
+from bench.process import (
     ROOT,
-    EngineServer,
+    ManagedServer,
     ensure_tiny_model,
     free_port,
-    real_photos,
     start_process,
-    start_server,
-    stop_server,
+    start_serve,
+    stop_process,
 )
+from serve.admission.signals import percentile
 
 #: W1's prompts per segment, by kind and concurrency. A cell runs 4 segments per side (2 when a
 #: segment holds 64 prompts), the order of the sides alternating: ~5 min in all on this CPU.
@@ -77,7 +76,7 @@ class Side:
     """One server of the comparison."""
 
     name: str
-    server: EngineServer
+    server: ManagedServer
 
 
 def model_dir() -> Path:
@@ -99,15 +98,15 @@ def start_sides(out: Path, sides: dict[str, Side]) -> None:
     from serve.settings import Settings
 
     model = model_dir()
-    sides["ours"] = Side("ours", start_server([], out / "logs" / "ours.log", model=model))
+    sides["ours"] = Side("ours", start_serve([], out / "logs" / "ours.log", model_dir=model))
     port = free_port()
     settings = Settings(model=str(model), port=port)
     sides["raw"] = Side("raw", start_process(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_cli_args(settings)],
         port, out / "logs" / "raw.log", "/v1/models", env=settings.engine_env()))
-    sides["sequential"] = Side("sequential", start_server(
+    sides["sequential"] = Side("sequential", start_serve(
         ["--autotune", "static", "--admission-limit", "1"], out / "logs" / "sequential.log",
-        model=model))
+        model_dir=model))
 
 
 def halves(items: list) -> tuple[list, list]:
@@ -424,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             measurements = measure(sides, model, args.seed, log)
     finally:
         for side in sides.values():
-            stop_server(side.server)
+            stop_process(side.server)
     summary = summarize(measurements)
     md = table(measurements, summary)
     (args.out / "bench.json").write_text(json.dumps(

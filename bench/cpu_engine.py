@@ -20,26 +20,18 @@ import io
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import time
 from base64 import b64encode
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.process import start_serve, stop_process
 from bench.sim import RequestResult
 from bench.trace import Trace, TraceRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The shared test photos (never copied into the project).
 IMAGES_DIR = ROOT.parent / "shared" / "images"
-TINY_MODEL = ROOT / "models" / "phi-3-vision-tiny"
-#: Seconds a server may take to become ready (~35 s on an idle 2-core machine; the first
-#: start on a machine also runs vLLM's model inspection).
-READY_TIMEOUT_S = 300
-
 #: Common English words for prompt text. The tiny model's tokenizer splits them into ~2.3
 #: tokens each (measured on seeded samples of this list), hence :data:`TOKENS_PER_WORD`.
 WORDS = ("the a of to and in is it you that he was for on are with as his they be at one "
@@ -308,87 +300,6 @@ def wait_quiet(max_wait_s: float, threshold_cores: float = 0.3, sample_s: float 
             return time.monotonic() - t0
 
 
-# --- server processes -----------------------------------------------------------------------
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class EngineServer:
-    """A server process started by :func:`start_process` (``python -m serve`` or raw vLLM)."""
-
-    base_url: str
-    proc: subprocess.Popen
-    log_path: Path
-    args: list[str]
-    ready_s: float | None = None
-
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-
-def ensure_tiny_model(model: Path = TINY_MODEL) -> Path:
-    """Build the tiny model where it is missing (``python -m serve.models.build``)."""
-    if not (model / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "serve.models.build", "--size", "tiny",
-                        "--out", str(model)], cwd=ROOT, check=True)
-    return model
-
-
-def start_server(args: list[str], log_path: Path, model: Path = TINY_MODEL,
-                 ready_timeout_s: float = READY_TIMEOUT_S) -> EngineServer:
-    """Start ``python -m serve --model MODEL --port P *args`` and wait for ``/ready`` 200."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "serve", "--model", str(model), "--port", str(port), *args]
-    return start_process(cmd, port, log_path, "/ready", args, ready_timeout_s=ready_timeout_s)
-
-
-def start_process(cmd: list[str], port: int, log_path: Path, ready_path: str,
-                  args: list[str] | None = None, env: dict[str, str] | None = None,
-                  ready_timeout_s: float = READY_TIMEOUT_S) -> EngineServer:
-    """Start an HTTP server process ``cmd`` listening on ``port`` in its own process group and
-    wait until ``ready_path`` answers 200.
-
-    Raises:
-        RuntimeError: the process exited (with its log tail).
-        TimeoutError: not ready within ``ready_timeout_s`` seconds (the process is stopped).
-    """
-    import httpx
-
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
-    server = EngineServer(f"http://127.0.0.1:{port}", proc, log_path, args or cmd)
-    while time.monotonic() - t0 < ready_timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.base_url}{ready_path}", timeout=2).status_code == 200:
-                server.ready_s = time.monotonic() - t0
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    stop_server(server)
-    raise TimeoutError(f"server not ready in {ready_timeout_s:g} s:\n{server.log_tail()}")
-
-
-def stop_server(server: EngineServer, timeout_s: float = 30.0) -> None:
-    """SIGINT the server's process group; SIGKILL it if it has not stopped in ``timeout_s``."""
-    if server.proc.poll() is None:
-        os.killpg(server.proc.pid, signal.SIGINT)
-        try:
-            server.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.proc.pid, signal.SIGKILL)
-            server.proc.wait()
-
-
 @dataclass
 class Setting:
     """One server configuration of the benchmark: a label and its ``python -m serve`` flags."""
@@ -408,11 +319,11 @@ def run_setting(setting: Setting, trace: Trace, bodies: list[bytes], common_args
         during the replay (cores, :class:`CpuMeter`).
     """
     name = setting.label.replace("=", "") + (f"-{attempt}" if attempt > 1 else "")
-    server = start_server([*common_args, *setting.args], log_dir / f"server-{name}.log")
+    server = start_serve([*common_args, *setting.args], log_dir / f"server-{name}.log")
     try:
         meter = CpuMeter(session=server.proc.pid)
         replay = asyncio.run(replay_http(trace, server.base_url, bodies, drain_s=drain_s))
         foreign = meter.foreign_cores()
     finally:
-        stop_server(server)
+        stop_process(server)
     return replay, server.ready_s, foreign

@@ -41,10 +41,15 @@ from bench.trace import Trace, TraceRequest
 from serve.admission.autotuner import Autotuner
 from serve.admission.capacity import kv_safe_seqs
 from serve.admission.controller import Controller, ControllerConfig, Decision
-from serve.admission.limiter import QUEUE_FULL, QUEUE_TIMEOUT, AdmissionLimiter, Slot
+from serve.admission.goodput import SloTargets, streamed_good
+from serve.admission.limiter import (
+    QUEUE_FULL,
+    QUEUE_TIMEOUT,
+    LimiterSnapshot,
+    Slot,
+    SlotCounter,
+)
 from serve.admission.limiter import SLO as SLO_REJECT
-from serve.admission.middleware import SloTargets
-from serve.admission.service import controller_config
 from serve.admission.signals import EngineStatsFeed
 from serve.settings import Settings
 
@@ -104,31 +109,37 @@ class Setup:
             target (what :class:`~serve.admission.middleware.AdmissionMiddleware` does).
     """
 
-    engine: EngineConfig = GPU_LIKE
-    slo: SloTargets = SloTargets(ttft_s=2.0, itl_s=0.1)
-    controller: ControllerConfig = ControllerConfig()
-    start_limit: int = 8
-    interval_s: float = 2.0
-    window_s: float = 20.0
-    max_queue: int = 256
-    max_queue_wait_s: float = 60.0
+    engine: EngineConfig
+    slo: SloTargets
+    controller: ControllerConfig
+    start_limit: int
+    interval_s: float
+    window_s: float
+    max_queue: int
+    max_queue_wait_s: float
     slo_shedding: bool = True
+
+    @classmethod
+    def default(cls) -> "Setup":
+        """A server with the default GPU settings on the :data:`GPU_LIKE` engine (every value
+        from :class:`~serve.settings.Settings`: no default is restated here)."""
+        return cls.from_settings(Settings(device="cuda"))
 
     @classmethod
     def from_settings(cls, settings: Settings, engine: EngineConfig = GPU_LIKE) -> "Setup":
         """The setup a server with these settings runs (GPU defaults for ``device=cuda``).
 
-        The controller constants come from :func:`serve.admission.controller_config`, as in
+        The controller constants come from :meth:`ControllerConfig.from_settings`, as in
         the server; the engine takes the settings' ``max_num_seqs`` and
         ``max_num_batched_tokens``. ``start_limit`` is what ``autotune=auto`` starts from on a
         server with this engine: the KV-safe capacity of its KV cache
         (:func:`serve.admission.capacity.kv_safe_seqs`), unless the settings fix a limit.
         """
         s = settings.model_copy(update={"autotune": "auto"}).resolved()
-        config = controller_config(s)
+        config = ControllerConfig.from_settings(s)
         engine = replace(engine, max_num_seqs=s.max_num_seqs,
                          max_num_batched_tokens=s.max_num_batched_tokens)
-        start = s.admission_limit if settings.admission_limit is not None else kv_safe_seqs(
+        start = s.admission_limit if s.admission_limit_explicit else kv_safe_seqs(
             engine.kv_capacity_tokens, s.num_crops, s.max_num_seqs)
         return cls(engine=engine, slo=SloTargets(s.slo_ttft_s, s.slo_itl_s), controller=config,
                    start_limit=start, interval_s=s.autotune_interval_s,
@@ -211,11 +222,9 @@ class RequestResult:
         return (self.finish_s - self.first_token_s) / (self.tokens - 1)
 
     def good(self, slo: SloTargets) -> bool:
-        """Finished within both targets (:meth:`ResponseTracker.meets` for a stream)."""
-        if not self.finished:
-            return False
-        itl = self.mean_itl_s
-        return self.ttft_s <= slo.ttft_s and (itl is None or itl <= slo.itl_s)
+        """Finished within both targets (the server's rule for a stream,
+        ``serve.admission.goodput``)."""
+        return self.finished and streamed_good(self.ttft_s, self.mean_itl_s, slo)
 
 
 @dataclass
@@ -260,13 +269,14 @@ class _Seq:
         self.slot = slot
 
 
-class SimGate(AdmissionLimiter):
-    """The admission limiter with a synchronous FIFO queue, for a simulated clock.
+class SimGate:
+    """The simulator's admission gate: a synchronous FIFO queue over the server's
+    :class:`~serve.admission.limiter.SlotCounter`, used through its public interface only.
 
     Slot counting, the completion-rate window and the expected-wait estimate are the real
-    :class:`AdmissionLimiter`'s; only the queue (futures there, a deque here) is replaced. The
-    autotuner sees the same interface: ``snapshot()``, ``limit``, ``set_limit()``,
-    ``in_flight``, ``pending``.
+    counter's; only the queue (asyncio futures in :class:`AdmissionLimiter`, a deque here)
+    differs. The autotuner sees the limiter's interface: ``snapshot()``, ``limit``,
+    ``set_limit()``, ``in_flight``, ``pending``.
 
     Args:
         limit, max_queue, max_queue_wait_s, clock: as :class:`AdmissionLimiter`.
@@ -279,44 +289,60 @@ class SimGate(AdmissionLimiter):
                  clock: Callable[[], float], shed_ttft_s: float | None,
                  on_admit: Callable[[RequestResult, Slot], None],
                  on_drop: Callable[[RequestResult, str], None]) -> None:
-        super().__init__(limit, max_queue, max_queue_wait_s, clock=clock)
+        self.slots = SlotCounter(limit, clock=clock, on_free=self._wake)
+        self.max_queue = max_queue
+        self.max_queue_wait_s = max_queue_wait_s
+        self.clock = clock
         self.queue: collections.deque[RequestResult] = collections.deque()
         self.shed_ttft_s = shed_ttft_s
-        self._on_admit_cb = on_admit
-        self._on_drop_cb = on_drop
+        self.on_admit = on_admit
+        self.on_drop = on_drop
+
+    @property
+    def limit(self) -> int:
+        return self.slots.limit
+
+    @property
+    def in_flight(self) -> int:
+        return self.slots.in_flight
 
     @property
     def pending(self) -> int:
         return len(self.queue)
 
+    def set_limit(self, limit: int) -> None:
+        self.slots.set_limit(limit)
+
+    def snapshot(self) -> LimiterSnapshot:
+        return LimiterSnapshot(self.limit, self.in_flight, self.pending,
+                               self.slots.completion_rate())
+
     def offer(self, result: RequestResult) -> None:
         """A request arrives now: admit, queue or reject it (the middleware's ``_acquire``)."""
-        if self._in_flight < self._limit and not self.queue:
-            self._on_admit_cb(result, self._admit(result.arrival_s))
+        if self.slots.has_room() and not self.queue:
+            self.on_admit(result, self.slots.take(result.arrival_s))
             return
         if len(self.queue) >= self.max_queue:
-            self._on_drop_cb(result, QUEUE_FULL)
+            self.on_drop(result, QUEUE_FULL)
             return
         if self.shed_ttft_s is not None:
-            wait = self.expected_wait_s(len(self.queue))
+            wait = self.slots.expected_wait_s(len(self.queue))
             if wait is not None and wait > self.shed_ttft_s:
-                self._on_drop_cb(result, SLO_REJECT)
+                self.on_drop(result, SLO_REJECT)
                 return
         self.queue.append(result)
 
     def expire(self) -> None:
         """Reject queued requests that have waited longer than ``max_queue_wait_s``."""
-        now = self._clock()
+        now = self.clock()
         while self.queue and now - self.queue[0].arrival_s > self.max_queue_wait_s:
-            self._on_drop_cb(self.queue.popleft(), QUEUE_TIMEOUT)
+            self.on_drop(self.queue.popleft(), QUEUE_TIMEOUT)
 
     def _wake(self) -> None:
         self.expire()
-        while self.queue and self._in_flight < self._limit:
+        while self.queue and self.slots.has_room():
             result = self.queue.popleft()
-            self._count(+1)
-            now = self._clock()
-            self._on_admit_cb(result, Slot(self, now, now - result.arrival_s))
+            self.on_admit(result, self.slots.take(result.arrival_s))
 
 
 class _NoGpu:
@@ -335,13 +361,15 @@ class Simulation:
         trace: the workload.
         mode: ``auto`` (the controller moves the limit) or ``static`` (fixed ``limit``).
         limit: the static limit; None: ``setup.start_limit`` (auto's start), requests.
-        setup: engine, SLO, controller and gateway constants.
+        setup: engine, SLO, controller and gateway constants (:meth:`Setup.default` when
+            None).
         on_step: called with the simulation after every engine step (tests: invariants).
     """
 
     def __init__(self, trace: Trace, mode: str = "auto", limit: int | None = None,
-                 setup: Setup = Setup(),
+                 setup: Setup | None = None,
                  on_step: Callable[["Simulation"], None] | None = None) -> None:
+        setup = setup if setup is not None else Setup.default()
         engine = setup.engine
         longest = max((r.prompt_tokens + r.output_tokens for r in trace.requests), default=0)
         if -(-longest // engine.block_size) > engine.num_gpu_blocks:
@@ -551,6 +579,6 @@ class Simulation:
 
 
 def simulate(trace: Trace, mode: str = "auto", limit: int | None = None,
-             setup: Setup = Setup()) -> RunResult:
+             setup: Setup | None = None) -> RunResult:
     """Run one :class:`Simulation` of ``trace``; see its arguments."""
     return Simulation(trace, mode, limit, setup).run()

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.autotune import percentile
+from serve.admission.signals import percentile
+from serve.sse import data_event
 
 #: A 12-megapixel phone photo (4:3, landscape), pixels.
 PHOTO_SIZE = (4032, 3024)
@@ -133,9 +134,9 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, body: bytes) -> 
                 return result
             pieces = []
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                data = data_event(line)
+                if not isinstance(data, dict):
                     continue
-                data = json.loads(line[6:])
                 if "error" in data:
                     result.error = str(data["error"])[:300]
                     break

@@ -63,6 +63,8 @@ def configure_logging(level: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, then serve until SIGINT/SIGTERM. Returns the process exit status."""
     settings = CliApp.run(Settings, cli_args=argv if argv is not None else sys.argv[1:])
+    # Hardware defaults resolved once, here; every later `resolved()` returns this object.
+    settings = settings.resolved()
     problem = check_model_dir(settings) or check_step_budget(settings)
     try:
         RouteTable(settings.open_routes)

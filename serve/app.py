@@ -199,17 +199,7 @@ class Gateway:
 
     async def limits(self, request: Request) -> Response:
         """Client-facing request limits (one source of truth for UIs and clients)."""
-        s = self.settings.resolved()
-        return JSONResponse({
-            "model": s.model_name,
-            "max_images_per_request": s.max_images_per_prompt,
-            "max_image_bytes": s.max_image_bytes,
-            "max_image_pixels": s.max_image_pixels,
-            "image_formats": s.image_formats,
-            "max_model_len": s.max_model_len,
-            "num_crops": s.num_crops,
-            "max_num_crops": s.max_num_crops,
-        })
+        return JSONResponse(self.settings.client_limits())
 
     async def route_table(self, request: Request) -> Response:
         """Every route this server answers: ours (policy ``own``) and vLLM's app as it runs

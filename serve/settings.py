@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Device = Literal["cpu", "cuda"]
@@ -294,8 +294,37 @@ class Settings(BaseSettings):
         0.95, gt=0, le=1, description="KV-cache usage (0-1) treated as full: decrease."
     )
 
+    def client_limits(self) -> dict:
+        """The request limits clients must respect: the body of ``GET /limits`` (the UI's
+        ``ui.api.ServerLimits`` reads it back). Resolved for the hardware."""
+        s = self.resolved()
+        return {
+            "model": s.model_name,
+            "max_images_per_request": s.max_images_per_prompt,
+            "max_image_bytes": s.max_image_bytes,
+            "max_image_pixels": s.max_image_pixels,
+            "image_formats": s.image_formats,
+            "max_model_len": s.max_model_len,
+            "num_crops": s.num_crops,
+            "max_num_crops": s.max_num_crops,
+        }
+
+    #: Set on the copy :meth:`resolved` returns: resolving it again returns it unchanged.
+    _resolved: bool = PrivateAttr(False)
+    #: Whether ``admission_limit`` was given (flag or env) before resolution filled it in.
+    _explicit_limit: bool = PrivateAttr(False)
+
+    @property
+    def admission_limit_explicit(self) -> bool:
+        """The operator pinned ``--admission-limit`` (resolution fills in a default
+        otherwise, and the autotuner then starts at the KV-safe capacity instead)."""
+        return self._explicit_limit if self._resolved else self.admission_limit is not None
+
     def resolved(self) -> "Settings":
-        """Return a copy with every hardware-dependent ``None`` replaced by its default."""
+        """A copy with every hardware-dependent ``None`` replaced by its default. Done once
+        at start (``serve.__main__``); a resolved object returns itself."""
+        if self._resolved:
+            return self
         device: Device = self.device or detect_device()
         cpu = device == "cpu"
         defaults = {
@@ -318,6 +347,8 @@ class Settings(BaseSettings):
             resolved.admission_limit = resolved.max_num_seqs
         resolved.admission_limit = max(resolved.min_seqs,
                                        min(resolved.admission_limit, resolved.max_num_seqs))
+        resolved._explicit_limit = self.admission_limit is not None
+        resolved._resolved = True
         return resolved
 
     @property

@@ -72,6 +72,24 @@ RESPONSES_SSE = SseDialect(
 DIALECTS = {CHAT: CHAT_SSE, COMPLETIONS: CHAT_SSE, RESPONSES: RESPONSES_SSE}
 
 
+#: What :func:`data_event` returns for the chat dialect's last event, ``data: [DONE]``.
+DONE = "[DONE]"
+
+
+def data_event(line: str) -> dict | str | None:
+    """One line of a chat/completions event stream as a client reads it: the event's JSON
+    object, :data:`DONE` for ``data: [DONE]``, None for any other line (blank, ``event:``,
+    comments). The one client-side parser of the benchmarks and tests.
+
+    Raises:
+        ValueError: a ``data:`` line whose payload is not JSON.
+    """
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:"):].strip()
+    return DONE if payload == DONE else json.loads(payload)
+
+
 def dialect(path: str | None) -> SseDialect:
     """The SSE dialect of a request path (the chat dialect for any other path)."""
     return DIALECTS[GENERATION_ROUTES.get(path, CHAT)]

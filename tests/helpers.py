@@ -4,31 +4,26 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.process import (  # noqa: F401 - re-exported: the tests' one import place
+    READY_TIMEOUT_S,
+    ROOT,
+    TINY_MODEL,
+    ManagedServer,
+    ensure_tiny_model,
+    free_port,
+    start_serve,
+    stop_group,
+    stop_process,
+    wait_until_up,
+)
+
 IMAGES = ROOT.parent / "shared" / "images"
-TINY_MODEL = ROOT / "models" / "phi-3-vision-tiny"
 ARTIFACTS = ROOT / "test-artifacts"
-#: Seconds the server may take to become ready (first start on a machine runs vLLM's model
-#: inspection subprocess: ~35 s typical, measured in ../shared/vllm-cpu-notes.md).
-READY_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def data_url(path_or_bytes: Path | bytes, mime: str | None = None) -> str:
@@ -49,22 +44,11 @@ def png_bytes(image) -> bytes:
     return buf.getvalue()
 
 
-def ensure_tiny_model() -> Path:
-    """Build the tiny model (idempotent) and return its directory."""
-    subprocess.run([sys.executable, "-m", "serve.models.build", "--size", "tiny",
-                    "--out", str(TINY_MODEL)], cwd=ROOT, check=True)
-    return TINY_MODEL
-
-
 @dataclass
-class Server:
-    """A running ``python -m serve`` process."""
+class Server(ManagedServer):
+    """A running ``python -m serve`` (``bench.process``) with ``/metrics`` helpers."""
 
-    base_url: str
-    model: str
-    proc: subprocess.Popen
-    log_path: Path
-    ready_statuses: list[int] = field(default_factory=list)
+    model: str = ""
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """One scrape of ``/metrics``: ``{(sample name, sorted label items): value}``."""
@@ -97,64 +81,14 @@ class Server:
 
 def start_server(extra_args: list[str] | None = None, env: dict[str, str] | None = None,
                  name: str = "server") -> Server:
-    """Start the API on a free port and wait until ``/ready`` answers 200.
-
-    Records every ``/ready`` status seen while waiting (the 503s of the boot phase).
-    """
+    """Start the API on the tiny model on a free port and wait until ``/ready`` answers 200
+    (every ``/ready`` status seen on the way is in ``ready_statuses``: the 503s of the boot).
+    Its log is ``test-artifacts/<name>.log``."""
     model = ensure_tiny_model()
-    port = free_port()
-    ARTIFACTS.mkdir(exist_ok=True)
-    log_path = ARTIFACTS / f"{name}.log"
-    log = open(log_path, "w")
-    cmd = [sys.executable, "-m", "serve", "--model", str(model), "--port", str(port),
-           *(extra_args or [])]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", model.name, proc, log_path)
-    try:
-        wait_until_up(proc, f"{server.base_url}/ready", READY_TIMEOUT_S, server.log_tail,
-                      seen=server.ready_statuses)
-    except TimeoutError:
-        stop_server(server)
-        raise
-    return server
-
-
-def wait_until_up(proc: subprocess.Popen, url: str, timeout_s: float, log_tail,
-                  seen: list[int] | None = None) -> None:
-    """Poll ``url`` until it answers 200, recording every status in ``seen``.
-
-    Raises:
-        RuntimeError: the process exited (with its log tail).
-        TimeoutError: no 200 within ``timeout_s`` seconds.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log_tail()}")
-        try:
-            status = httpx.get(url, timeout=2).status_code
-            if seen is not None:
-                seen.append(status)
-            if status == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} not up in {timeout_s}s:\n{log_tail()}")
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGINT the process group, then SIGKILL it if it does not stop within ``grace_s``."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return start_serve(extra_args or [], ARTIFACTS / f"{name}.log", model_dir=model, env=env,
+                       ready_timeout_s=READY_TIMEOUT_S, server_cls=Server, model=model.name)
 
 
 def stop_server(server: Server) -> None:
     """Stop a server started by :func:`start_server` (30 s grace)."""
-    stop_group(server.proc, 30)
+    stop_process(server, 30)

@@ -110,17 +110,30 @@ def check_count(n: int, limits: ServerLimits) -> None:
             "(the server's max_images_per_request). Remove some and send again.")
 
 
-def _to_rgb(img: Image.Image) -> Image.Image:
-    """8-bit RGB; transparency composited on white; 16-bit/float scaled to 8 bits."""
-    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+#: What transparent pixels are composited on (white, as the server: ``serve.intake.images``).
+BACKGROUND = (255, 255, 255)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """8-bit RGB, transparency composited on :data:`BACKGROUND`; 16-bit and float images
+    stretched from their extrema to 0-255. The same pixels as the server's
+    ``serve.intake.images.to_rgb`` (this venv does not import the server): one table tests
+    both (``tests/unit/test_rgb_parity.py``)."""
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        img = img.convert("I") if img.mode.startswith("I;16") else img
         lo, hi = img.getextrema()
         scale = 255.0 / (hi - lo) if hi > lo else 0.0
-        img = img.convert("F").point(lambda v: (v - lo) * scale).convert("L")
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        img = img.point(lambda v: (v - lo) * scale).convert("L")
+    if img.mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    if img.mode == "La":  # premultiplied: Pillow converts it to LA only
+        img = img.convert("LA")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa"):
         rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return img.convert("RGB")
+        canvas = Image.new("RGB", rgba.size, BACKGROUND)
+        canvas.paste(rgba, mask=rgba.getchannel("A"))
+        return canvas
+    return img.convert("RGB") if img.mode != "RGB" else img
 
 
 def prepare_image(name: str, raw: bytes, limits: ServerLimits, max_side_px: int,
@@ -160,7 +173,7 @@ def prepare_image(name: str, raw: bytes, limits: ServerLimits, max_side_px: int,
         img.seek(0)  # first frame of an animation
         img.load()
         img = ImageOps.exif_transpose(img) or img
-        img = _to_rgb(img)
+        img = to_rgb(img)
     except (OSError, ValueError, SyntaxError) as exc:
         raise ImageRefused(f"{name} is damaged and cannot be decoded ({exc}).") from exc
     if max(img.size) > max_side_px:

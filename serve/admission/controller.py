@@ -45,7 +45,10 @@ REASONS = ("demand", "slo_ttft", "slo_itl", "preemption", "kv_cache", "cooldown"
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    """Constants of the autotuner; each has a unit and a reason.
+    """Constants of the autotuner; each has a unit and a reason. Their defaults are written
+    once, in :class:`serve.settings.Settings` (``--autotune-*``, ``--slo-*``, ``--min-seqs``,
+    ``--max-num-seqs``); build one with :meth:`from_settings`. Only ``gpu_busy_ratio``, which
+    no setting exposes, has its default here.
 
     Attributes:
         min_seqs: floor of the limit (requests). Never starve the engine completely.
@@ -67,17 +70,29 @@ class ControllerConfig:
             add throughput; ignored where utilization is unavailable (CPU).
     """
 
-    min_seqs: int = 1
-    ceiling: int = 256
-    ttft_target_s: float = 2.0
-    itl_target_s: float = 0.1
-    headroom: float = 0.7
-    decrease_factor: float = 0.85
-    increase_ratio: float = 0.25
-    max_step: int = 16
-    cooldown_s: float = 6.0
-    kv_high_ratio: float = 0.95
+    min_seqs: int
+    ceiling: int
+    ttft_target_s: float
+    itl_target_s: float
+    headroom: float
+    decrease_factor: float
+    increase_ratio: float
+    max_step: int
+    cooldown_s: float
+    kv_high_ratio: float
     gpu_busy_ratio: float = 0.98
+
+    @classmethod
+    def from_settings(cls, settings) -> "ControllerConfig":
+        """The constants of ``settings`` (a :class:`serve.settings.Settings`, resolved for the
+        hardware here; not imported, so this module stays standard-library only)."""
+        s = settings.resolved()
+        return cls(
+            min_seqs=min(s.min_seqs, s.max_num_seqs), ceiling=s.max_num_seqs,
+            ttft_target_s=s.slo_ttft_s, itl_target_s=s.slo_itl_s,
+            headroom=s.autotune_headroom, decrease_factor=s.autotune_decrease_factor,
+            increase_ratio=s.autotune_increase_ratio, max_step=s.autotune_max_step,
+            cooldown_s=s.autotune_cooldown_s, kv_high_ratio=s.autotune_kv_high_ratio)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_seqs <= self.ceiling:

@@ -10,7 +10,12 @@ Enforcement is split from the algorithm as in Netflix concurrency-limits (``Limi
 enforces it. Every :meth:`AdmissionLimiter.acquire` that returns a :class:`Slot` must end in
 exactly one :meth:`Slot.release` (later calls are ignored), whatever happens to the request.
 
-Pure asyncio: no engine, no HTTP, so it is testable in isolation.
+Counting is split from queueing: :class:`SlotCounter` (synchronous: limit, in-flight count,
+busy time, completion rate) is shared by :class:`AdmissionLimiter` (the server's asyncio FIFO)
+and the simulator's gate (``bench/sim.py``), which uses only its public interface, so the
+benchmark the autotuner is judged by counts exactly as the server does.
+
+Pure Python (standard library): no engine, no HTTP, so it is testable in isolation.
 """
 
 from __future__ import annotations
@@ -49,10 +54,10 @@ class Rejected(Exception):
 class Slot:
     """One admitted request's place in the engine. Release it exactly once."""
 
-    __slots__ = ("_limiter", "_released", "admitted_at", "queue_wait_s")
+    __slots__ = ("_counter", "_released", "admitted_at", "queue_wait_s")
 
-    def __init__(self, limiter: "AdmissionLimiter", admitted_at: float, queue_wait_s: float):
-        self._limiter = limiter
+    def __init__(self, counter: "SlotCounter", admitted_at: float, queue_wait_s: float):
+        self._counter = counter
         self._released = False
         self.admitted_at = admitted_at
         self.queue_wait_s = queue_wait_s
@@ -64,65 +69,67 @@ class Slot:
     def release(self, completed: bool = True) -> bool:
         """Give the slot back. ``completed`` feeds the completion-rate estimate.
 
-        Returns True the first time, False (and does nothing) on any later call.
+        Returns:
+            True the first time, False on any later call (idempotent).
         """
         if self._released:
             return False
         self._released = True
-        self._limiter._on_release(completed)
+        self._counter.release(completed)
         return True
 
 
-@dataclass
+@dataclass(frozen=True)
 class LimiterSnapshot:
-    """Point-in-time view of the limiter (for metrics and the autotuner)."""
+    """What the autotuner reads from the limiter each tick."""
 
     limit: int
     in_flight: int
     pending: int
-    completion_rate_per_s: float | None
+    completion_rate: float | None
 
 
-class AdmissionLimiter:
-    """FIFO admission gate with a live limit.
+class SlotCounter:
+    """The counting half of admission, synchronous and clock-driven: the live limit, the
+    requests in flight, busy time and the completion-rate window. The queueing half is the
+    caller's: :class:`AdmissionLimiter` (an asyncio FIFO) in the server, the simulator's
+    deque in ``bench/sim.py``; both use only this public interface.
 
     Args:
         limit: initial number of requests allowed in the engine at once (>= 1).
-        max_queue: most requests waiting for a slot; one more is rejected ``queue_full``.
-        max_queue_wait_s: a queued request not admitted within this many seconds is rejected
-            ``queue_timeout``.
-        rate_window_s: seconds of completions used to estimate the completion rate (for
-            ``Retry-After`` and SLO shedding).
-        clock: monotonic clock in seconds (injectable for tests).
+        rate_window_s: seconds of completions used to estimate the completion rate.
+        clock: monotonic clock in seconds (injectable for tests and the simulator).
         ceiling: the engine's ``max_num_seqs`` (None: no engine queue, see ``engine_queue``).
         engine_queue: requests admitted past the limit while the limit *is* the ceiling. The
             engine runs at most ``ceiling`` sequences whatever we admit, so these wait inside
             vLLM, already tokenized and preprocessed, and a finished sequence's batch slot is
             refilled at the next engine step (as raw vLLM's own waiting queue does) instead of
             after a request crossed the gateway. Below the ceiling the limit is exact.
+        on_free: called (no arguments) whenever room may have appeared: a slot released or
+            the limit raised (the queueing half admits its next waiters then).
+
+    Raises:
+        ValueError: ``limit`` < 1.
     """
 
-    def __init__(self, limit: int, max_queue: int, max_queue_wait_s: float,
-                 rate_window_s: float = 30.0,
+    def __init__(self, limit: int, rate_window_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
-                 ceiling: int | None = None, engine_queue: int = 0) -> None:
+                 ceiling: int | None = None, engine_queue: int = 0,
+                 on_free: Callable[[], None] | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.ceiling = ceiling
         self.engine_queue = engine_queue
-        self._limit = limit
-        self.max_queue = max_queue
-        self.max_queue_wait_s = max_queue_wait_s
         self.rate_window_s = rate_window_s
-        self._clock = clock
+        self.clock = clock
+        self.on_free = on_free
+        self._limit = limit
         self._in_flight = 0
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
         #: (time, busy seconds so far) of each completion in the window.
         self._completions: collections.deque[tuple[float, float]] = collections.deque()
         self._busy_total_s = 0.0
         self._busy_since: float | None = None
 
-    # --- state --------------------------------------------------------------------------
     @property
     def limit(self) -> int:
         return self._limit
@@ -139,38 +146,55 @@ class AdmissionLimiter:
         """Requests admitted and not yet released."""
         return self._in_flight
 
-    @property
-    def pending(self) -> int:
-        """Requests waiting in the queue."""
-        return sum(1 for w in self._waiters if not w.done())
-
-    def snapshot(self) -> LimiterSnapshot:
-        return LimiterSnapshot(self._limit, self._in_flight, self.pending,
-                               self.completion_rate())
+    def has_room(self) -> bool:
+        """Whether one more request may be admitted now."""
+        return self._in_flight < self.capacity
 
     def set_limit(self, limit: int) -> None:
-        """Change the limit now. Raising it admits queued requests at once; lowering it
-        admits nothing until in-flight requests drain below it (none is aborted)."""
+        """Change the limit now. Raising it makes room at once; lowering it admits nothing
+        until in-flight requests drain below it (none is aborted).
+
+        Raises:
+            ValueError: ``limit`` < 1.
+        """
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self._limit = limit
-        self._wake()
+        self._notify()
 
-    # --- estimates ----------------------------------------------------------------------
+    def take(self, arrived_at: float) -> Slot:
+        """Admit one request that arrived at ``arrived_at`` (clock seconds); the caller checked
+        :meth:`has_room` (or the limit was lowered meanwhile: the slot is counted anyway)."""
+        self._count(+1)
+        now = self.clock()
+        return Slot(self, now, now - arrived_at)
+
+    def release(self, completed: bool) -> None:
+        """A slot is given back (by :meth:`Slot.release`, or by a waiter that left after it
+        was granted one)."""
+        self._count(-1)
+        if completed:
+            self._completions.append((self.clock(), self.busy_s()))
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_free is not None:
+            self.on_free()
+
     def busy_s(self) -> float:
         """Seconds so far during which at least one request was in flight."""
         if self._busy_since is None:
             return self._busy_total_s
-        return self._busy_total_s + self._clock() - self._busy_since
+        return self._busy_total_s + self.clock() - self._busy_since
 
     def _count(self, delta: int) -> None:
         """Change the in-flight count by ``delta``, keeping the busy-time account."""
         before = self._in_flight
         self._in_flight += delta
         if before == 0 and self._in_flight > 0:
-            self._busy_since = self._clock()
+            self._busy_since = self.clock()
         elif before > 0 and self._in_flight == 0 and self._busy_since is not None:
-            self._busy_total_s += self._clock() - self._busy_since
+            self._busy_total_s += self.clock() - self._busy_since
             self._busy_since = None
 
     def completion_rate(self) -> float | None:
@@ -182,7 +206,7 @@ class AdmissionLimiter:
         completions over the busy seconds between the first and the last of the ``n``.
         None with fewer than two completions in the window.
         """
-        now = self._clock()
+        now = self.clock()
         while self._completions and self._completions[0][0] < now - self.rate_window_s:
             self._completions.popleft()
         if len(self._completions) < 2:
@@ -194,19 +218,93 @@ class AdmissionLimiter:
         """Expected seconds until a request ``position`` places from the head (0 = next) is
         admitted: ``(position + 1) / completion_rate`` (Little's law on the drain rate).
         None when all slots are free or no rate is known yet."""
-        if self._in_flight < self.capacity and position == 0:
+        if self.has_room() and position == 0:
             return 0.0
         rate = self.completion_rate()
         if rate is None:
             return None
         return (position + 1) / rate
 
-    def retry_after_s(self) -> int:
-        """Suggested ``Retry-After`` in whole seconds (1..60) from queue length and drain rate."""
-        wait = self.expected_wait_s(self.pending)
+    def retry_after_s(self, pending: int) -> int:
+        """Suggested ``Retry-After`` in whole seconds (1..60) behind ``pending`` queued
+        requests, from the drain rate."""
+        wait = self.expected_wait_s(pending)
         if wait is None:
             return 1
         return int(min(60, max(1, math.ceil(wait))))
+
+
+class AdmissionLimiter:
+    """FIFO admission gate with a live limit: the queueing half (asyncio futures, a bounded
+    queue with a wait deadline, SLO shedding) over a :class:`SlotCounter`.
+
+    Args:
+        limit: initial number of requests allowed in the engine at once (>= 1).
+        max_queue: most requests waiting for a slot; one more is rejected ``queue_full``.
+        max_queue_wait_s: a queued request not admitted within this many seconds is rejected
+            ``queue_timeout``.
+        rate_window_s, clock, ceiling, engine_queue: as :class:`SlotCounter`.
+    """
+
+    def __init__(self, limit: int, max_queue: int, max_queue_wait_s: float,
+                 rate_window_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 ceiling: int | None = None, engine_queue: int = 0) -> None:
+        self.slots = SlotCounter(limit, rate_window_s, clock, ceiling, engine_queue,
+                                 on_free=self._wake)
+        self.max_queue = max_queue
+        self.max_queue_wait_s = max_queue_wait_s
+        self._clock = clock
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    # --- state (the counter's, and the queue's) ---------------------------------------------
+    @property
+    def limit(self) -> int:
+        return self.slots.limit
+
+    @property
+    def capacity(self) -> int:
+        """Requests admitted at most now (:attr:`SlotCounter.capacity`)."""
+        return self.slots.capacity
+
+    @property
+    def ceiling(self) -> int | None:
+        return self.slots.ceiling
+
+    @property
+    def engine_queue(self) -> int:
+        return self.slots.engine_queue
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet released."""
+        return self.slots.in_flight
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting in the queue."""
+        return sum(1 for w in self._waiters if not w.done())
+
+    def snapshot(self) -> LimiterSnapshot:
+        return LimiterSnapshot(self.limit, self.in_flight, self.pending,
+                               self.slots.completion_rate())
+
+    def set_limit(self, limit: int) -> None:
+        """Change the limit now (:meth:`SlotCounter.set_limit`); raising it admits queued
+        requests at once."""
+        self.slots.set_limit(limit)
+
+    def completion_rate(self) -> float | None:
+        """:meth:`SlotCounter.completion_rate`."""
+        return self.slots.completion_rate()
+
+    def expected_wait_s(self, position: int) -> float | None:
+        """:meth:`SlotCounter.expected_wait_s`."""
+        return self.slots.expected_wait_s(position)
+
+    def retry_after_s(self) -> int:
+        """Suggested ``Retry-After`` in whole seconds (1..60) from queue length and drain rate."""
+        return self.slots.retry_after_s(self.pending)
 
     # --- admission ----------------------------------------------------------------------
     async def acquire(self, ttft_target_s: float | None = None) -> Slot:
@@ -225,8 +323,8 @@ class AdmissionLimiter:
                 left the queue and holds no slot.
         """
         start = self._clock()
-        if self._in_flight < self.capacity and not self.pending:
-            return self._admit(start)
+        if self.slots.has_room() and not self.pending:
+            return self.slots.take(start)
         if self.pending >= self.max_queue:
             raise Rejected(QUEUE_FULL, self.retry_after_s(),
                            f"Server busy: {self.pending} requests already queued "
@@ -240,7 +338,7 @@ class AdmissionLimiter:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.max_queue_wait_s)
+            slot = await asyncio.wait_for(asyncio.shield(fut), self.max_queue_wait_s)
         except asyncio.TimeoutError:
             self._abandon(fut)
             raise Rejected(QUEUE_TIMEOUT, self.retry_after_s(),
@@ -255,19 +353,14 @@ class AdmissionLimiter:
             # Granted in the same tick the client left: wait_for swallowed the cancellation.
             self._abandon(fut)
             raise asyncio.CancelledError
-        return Slot(self, self._clock(), self._clock() - start)
-
-    def _admit(self, start: float) -> Slot:
-        self._count(+1)
-        now = self._clock()
-        return Slot(self, now, now - start)
+        slot.queue_wait_s = slot.admitted_at - start
+        return slot
 
     def _abandon(self, fut: asyncio.Future) -> None:
         """A waiter leaves (timeout, cancel). If it had been granted a slot meanwhile, hand the
         slot back, so no slot leaks."""
         if fut.done() and not fut.cancelled():
-            self._count(-1)
-            self._wake()
+            fut.result().release(completed=False)
         else:
             fut.cancel()
             try:
@@ -275,16 +368,9 @@ class AdmissionLimiter:
             except ValueError:
                 pass
 
-    def _on_release(self, completed: bool) -> None:
-        self._count(-1)
-        if completed:
-            self._completions.append((self._clock(), self.busy_s()))
-        self._wake()
-
     def _wake(self) -> None:
-        while self._waiters and self._in_flight < self.capacity:
+        while self._waiters and self.slots.has_room():
             fut = self._waiters.popleft()
             if fut.done():
                 continue
-            self._count(+1)
-            fut.set_result(None)
+            fut.set_result(self.slots.take(self._clock()))

@@ -6,11 +6,8 @@ the :class:`~serve.admission.limiter.AdmissionLimiter` (a client that leaves whi
 leaves the queue), forward to vLLM's app, and release the slot exactly once when the response
 ends, however it ends. Refusals are 429 with ``Retry-After`` and an OpenAI-style error.
 
-Goodput (DistServe's definition, as ``vllm bench serve --goodput``): a finished request counts
-when its TTFT <= the TTFT target and its mean inter-token latency (TPOT) <= the ITL target,
-both measured here, as the client sees them (queue wait included). A non-streamed request has
-no visible first token, so it counts when its E2E latency <= TTFT target + ITL target x
-(completion tokens - 1), the same budget spread over the whole answer.
+Goodput: the rule of ``serve.admission.goodput`` (DistServe's definition), applied to the
+times measured here, as the client sees them (queue wait included).
 """
 
 from __future__ import annotations
@@ -24,20 +21,13 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve.admission.goodput import SloTargets, non_streamed_good, streamed_good
 from serve.admission.limiter import AdmissionLimiter, Rejected
 from serve.asgi import IMAGES_SCOPE_KEY, REQUEST_STATE_KEY, ClientGone, read_body, replay
 from serve.errors import openai_error
 from serve.metrics import Metrics
 from serve.routes import GENERATION_ROUTES
 from serve.sse import CHAT_SSE, SseDialect, dialect
-
-
-@dataclass(frozen=True)
-class SloTargets:
-    """Per-request latency targets, seconds."""
-
-    ttft_s: float
-    itl_s: float
 
 
 @dataclass
@@ -114,14 +104,11 @@ class ResponseTracker:
         return None
 
     def meets(self, slo: SloTargets) -> bool:
-        """Whether a completed request met its targets (see module docstring)."""
+        """Whether a completed request met its targets (``serve.admission.goodput``)."""
         if self.streaming:
-            ttft, itl = self.ttft_s(), self.mean_itl_s()
-            return (ttft is not None and ttft <= slo.ttft_s
-                    and (itl is None or itl <= slo.itl_s))
+            return streamed_good(self.ttft_s(), self.mean_itl_s(), slo)
         e2e = self.chunk_times[-1] - self.arrival if self.chunk_times else None
-        tokens = self.completion_tokens() or 1
-        return e2e is not None and e2e <= slo.ttft_s + slo.itl_s * max(0, tokens - 1)
+        return non_streamed_good(e2e, self.completion_tokens() or 1, slo)
 
 
 class AdmissionMiddleware:

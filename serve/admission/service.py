@@ -8,22 +8,12 @@ from dataclasses import dataclass
 from serve.admission.autotuner import Autotuner
 from serve.admission.capacity import kv_safe_seqs
 from serve.admission.controller import Controller, ControllerConfig
+from serve.admission.goodput import SloTargets
 from serve.admission.limiter import AdmissionLimiter
-from serve.admission.middleware import AdmissionMiddleware, SloTargets
+from serve.admission.middleware import AdmissionMiddleware
 from serve.admission.signals import EngineStatsFeed, stat_logger_factory
 from serve.metrics import Metrics
 from serve.settings import Settings
-
-
-def controller_config(settings: Settings) -> ControllerConfig:
-    """The autotuner constants of ``settings`` (resolved for the hardware)."""
-    s = settings.resolved()
-    return ControllerConfig(
-        min_seqs=min(s.min_seqs, s.max_num_seqs), ceiling=s.max_num_seqs,
-        ttft_target_s=s.slo_ttft_s, itl_target_s=s.slo_itl_s,
-        headroom=s.autotune_headroom, decrease_factor=s.autotune_decrease_factor,
-        increase_ratio=s.autotune_increase_ratio, max_step=s.autotune_max_step,
-        cooldown_s=s.autotune_cooldown_s, kv_high_ratio=s.autotune_kv_high_ratio)
 
 
 @dataclass
@@ -42,7 +32,7 @@ class Admission:
         when None)."""
         s = settings.resolved()
         metrics = metrics if metrics is not None else Metrics()
-        config = controller_config(s)
+        config = ControllerConfig.from_settings(s)
         limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s,
                                    ceiling=s.max_num_seqs, engine_queue=s.engine_queue)
         feed = EngineStatsFeed(window_s=s.autotune_window_s)
@@ -89,7 +79,7 @@ class Admission:
         s = settings.resolved()
         capacity = kv_safe_seqs(kv_tokens, s.num_crops, s.max_num_seqs)
         self.metrics.kv_safe_seqs.set(capacity)
-        if s.autotune == "auto" and settings.admission_limit is None:
+        if s.autotune == "auto" and not s.admission_limit_explicit:
             self.autotuner.controller.set_start(capacity)
             self.limiter.set_limit(self.autotuner.controller.limit)
         return capacity

@@ -15,6 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile ``q`` (0-100) of ``values``, None when empty (the one
+    implementation: the autotuner's window, the simulator and the benchmarks use it)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
+
+
 class SlidingWindow:
     """Samples of the last ``window_s`` seconds, with percentiles.
 
@@ -50,11 +59,7 @@ class SlidingWindow:
     def percentile(self, q: float) -> float | None:
         """Nearest-rank percentile ``q`` (0-100) of the window, None when empty."""
         self._prune()
-        if not self._samples:
-            return None
-        values = sorted(v for _, v in self._samples)
-        rank = max(1, math.ceil(q / 100 * len(values)))
-        return values[rank - 1]
+        return percentile([v for _, v in self._samples], q)
 
 
 @dataclass

@@ -165,8 +165,11 @@ def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
     return decode_base64(data_url_payload(url, max_bytes, param), param)
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """8-bit RGB, transparency composited on :data:`BACKGROUND`."""
+def to_rgb(image: Image.Image) -> Image.Image:
+    """8-bit RGB, transparency composited on :data:`BACKGROUND`; 16-bit and float images
+    stretched from their extrema to 0-255. The UI's ``ui.images.to_rgb`` (its own venv, no
+    import of this package) must give the same pixels: one table tests both
+    (``tests/unit/test_rgb_parity.py``)."""
     if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
         image = image.convert("I") if image.mode.startswith("I;16") else image
         lo, hi = image.getextrema()
@@ -174,7 +177,9 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         image = image.point(lambda v: (v - lo) * scale).convert("L")
     if image.mode == "P":
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+    if image.mode == "La":  # premultiplied: Pillow converts it to LA only
+        image = image.convert("LA")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa"):
         rgba = image.convert("RGBA")
         canvas = Image.new("RGB", rgba.size, BACKGROUND)
         canvas.paste(rgba, mask=rgba.getchannel("A"))
@@ -267,7 +272,7 @@ def prepare_image(raw: bytes, policy: ImagePolicy, num_crops: int, param: str,
                 image.load()
                 rotate = image.getexif().get(EXIF_ORIENTATION, 1) in range(2, 9)
                 upright = ImageOps.exif_transpose(image) if rotate else image
-                rgb = _to_rgb(upright)
+                rgb = to_rgb(upright)
         except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombWarning,
                 Image.DecompressionBombError) as exc:
             raise IntakeError(400, f"image data is truncated or corrupt ({exc})", param) from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import time
 
 import httpx
@@ -20,6 +19,7 @@ from openai import OpenAI
 from PIL import Image
 
 from serve.models.remote_code.processing_phi3_v import hd_transform_size, num_image_tokens
+from serve.sse import DONE, data_event
 from tests.helpers import data_url, png_bytes
 
 NUM_CROPS = 1  # the server's CPU default (serve/settings.py)
@@ -57,13 +57,11 @@ async def stream_chat(client: httpx.AsyncClient, server, messages, max_tokens=8)
                              json=body) as r:
         out["status"] = r.status_code
         async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):]
-            if payload == "[DONE]":
+            event = data_event(line)
+            if event == DONE:
                 out["done"] = True
+            if not isinstance(event, dict):
                 continue
-            event = json.loads(payload)
             for choice in event.get("choices", []):
                 out["content"] += choice["delta"].get("content") or ""
                 if choice.get("finish_reason"):

@@ -16,6 +16,7 @@ import psutil
 import pytest
 from PIL import Image
 
+from serve.sse import DONE, data_event
 from tests.helpers import data_url, free_port, png_bytes, start_server, stop_server
 
 KEY = "test-key-123"
@@ -349,10 +350,10 @@ async def test_hostile_flood_does_not_hurt_valid_streams(hostile_server, images)
                                  headers=AUTH) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    events.append(json.loads(line[6:]))
+                event = data_event(line)
+                done = done or event == DONE
+                if isinstance(event, dict):
+                    events.append(event)
         assert done and not any("error" in e for e in events)
         assert any(c.get("finish_reason") for e in events for c in e.get("choices", []))
         return True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from serve.admission.capacity import (
@@ -11,6 +13,7 @@ from serve.admission.capacity import (
     tokens_per_request,
 )
 from serve.intake.budget import image_tokens
+from serve.settings import Settings
 
 
 def test_max_image_tokens_is_the_worst_aspect_of_the_hd_transform():
@@ -47,3 +50,21 @@ def test_auto_starts_at_the_kv_safe_capacity_unless_a_limit_is_set():
     static = Settings(device="cpu", autotune="static")
     fixed = Admission.from_settings(static)
     assert fixed.apply_kv_capacity(static, 5 * per) == 5 and fixed.limiter.limit == 32
+
+
+def test_settings_are_resolved_once_and_remember_an_explicit_limit():
+    resolved = Settings(device="cpu").resolved()
+    assert resolved.resolved() is resolved and resolved.admission_limit == 32
+    assert not resolved.admission_limit_explicit
+    pinned = Settings(device="cpu", admission_limit=4).resolved()
+    assert pinned.admission_limit_explicit and pinned.resolved().admission_limit == 4
+
+
+def test_autotuner_state_reports_the_limiter():
+    """``GET /admin/autotuner``'s body, built without an engine."""
+    from serve.admission.service import Admission
+
+    state = Admission.from_settings(Settings(device="cpu")).autotuner.state()
+    assert state["limit"] == state["capacity"] - state["engine_queue"] == 32
+    assert state["in_flight"] == state["pending"] == 0 and state["mode"] == "auto"
+    json.dumps(state)  # serialisable as the route returns it

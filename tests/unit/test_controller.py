@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from serve.admission.controller import Controller, ControllerConfig, Signals
+import dataclasses
 
-CFG = ControllerConfig(min_seqs=2, ceiling=64, ttft_target_s=1.0, itl_target_s=0.1,
-                       cooldown_s=6.0, decrease_factor=0.75)
+from serve.admission.controller import Controller, ControllerConfig, Signals
+from serve.settings import Settings
+
+#: The server's constants (serve/settings.py) with the values these tests are written for.
+DEFAULTS = ControllerConfig.from_settings(Settings(device="cuda"))
+CFG = dataclasses.replace(DEFAULTS, min_seqs=2, ceiling=64, ttft_target_s=1.0, itl_target_s=0.1,
+                          cooldown_s=6.0, decrease_factor=0.75)
 
 
 def busy(t: float, limit: int, **kw) -> Signals:
@@ -123,7 +128,7 @@ def test_no_windup_while_a_decrease_drains():
 
 def test_idle_engine_gets_its_start_limit_back():
     """After an overload cut, an idle engine takes the next burst at the KV-safe start."""
-    c = Controller(ControllerConfig(ceiling=64, ttft_target_s=1.0), limit=32)
+    c = Controller(dataclasses.replace(DEFAULTS, ceiling=64, ttft_target_s=1.0), limit=32)
     c.step(Signals(t=0.0, in_flight=32, pending=10, ttft_p90_s=5.0))
     assert c.limit < 32
     held = c.step(Signals(t=1.0, in_flight=3, pending=0))

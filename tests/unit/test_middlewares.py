@@ -8,8 +8,9 @@ import json
 
 from prometheus_client import CollectorRegistry
 
+from serve.admission.goodput import SloTargets
 from serve.admission.limiter import AdmissionLimiter
-from serve.admission.middleware import AdmissionMiddleware, SloTargets
+from serve.admission.middleware import AdmissionMiddleware
 from serve.asgi import BodyLimitMiddleware
 from serve.intake.images import ImagePolicy
 from serve.intake.middleware import IntakeMiddleware

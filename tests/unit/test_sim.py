@@ -10,7 +10,7 @@ from bench.autotune import gpu_setup, sim_report
 from bench.sim import GPU_LIKE, Setup, Simulation, simulate
 from bench.trace import Phase, build_trace, phase_trace
 
-SETUP = Setup()
+SETUP = Setup.default()
 
 
 def outcome(run) -> list[tuple]:

@@ -41,12 +41,8 @@ RUNNING = "vllm:num_requests_running"
 
 
 def server_default_limits() -> ServerLimits:
-    """What ``GET /limits`` answers for the server's default settings."""
-    s = Settings().resolved()
-    return ServerLimits(model=s.model_name, max_images_per_request=s.max_images_per_prompt,
-                        max_image_bytes=s.max_image_bytes, max_image_pixels=s.max_image_pixels,
-                        image_formats=tuple(s.image_formats), max_model_len=s.max_model_len,
-                        num_crops=s.num_crops, max_num_crops=s.max_num_crops)
+    """What ``GET /limits`` answers for the server's default settings, read as the UI does."""
+    return ServerLimits.from_json(Settings().client_limits())
 
 
 LIMITS = server_default_limits()

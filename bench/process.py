@@ -1,0 +1,149 @@
+"""Managed server processes, written once for the benchmarks and the tests: start a server in
+its own process group, wait until it answers, read its log, stop it (SIGINT, then SIGKILL).
+
+``python -m serve`` and raw vLLM's ``python -m vllm.entrypoints.openai.api_server`` both run
+through :func:`start_process`; the tests' ``Server`` adds its ``/metrics`` helpers on top.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = ROOT / "models" / "phi-3-vision-tiny"
+#: Seconds a server may take to become ready (first start on a machine runs vLLM's model
+#: inspection subprocess: ~35 s typical, measured in ../shared/vllm-cpu-notes.md).
+READY_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_tiny_model(model: Path = TINY_MODEL) -> Path:
+    """Build the tiny model where it is missing (``python -m serve.models.build``)."""
+    if not (model / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "serve.models.build", "--size", "tiny",
+                        "--out", str(model)], cwd=ROOT, check=True)
+    return model
+
+
+@dataclass
+class ManagedServer:
+    """A server process started by :func:`start_process`.
+
+    Attributes:
+        base_url: ``http://127.0.0.1:<port>``.
+        proc: the process (leader of its own process group).
+        log_path: its stdout and stderr.
+        args: the flags it was started with (for reports).
+        ready_s: seconds from start to the first 200 of its readiness path.
+        ready_statuses: every status the readiness path answered while it started (the 503s
+            of the boot phase, then 200).
+    """
+
+    base_url: str
+    proc: subprocess.Popen
+    log_path: Path
+    args: list[str]
+    ready_s: float | None = None
+    ready_statuses: list[int] = field(default_factory=list)
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, timeout_s: float,
+                  log_tail: Callable[[], str], seen: list[int] | None = None) -> None:
+    """Poll ``url`` until it answers 200, recording every status in ``seen``.
+
+    Raises:
+        RuntimeError: the process exited (with its log tail).
+        TimeoutError: no 200 within ``timeout_s`` seconds.
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            status = httpx.get(url, timeout=2).status_code
+            if seen is not None:
+                seen.append(status)
+            if status == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} not up in {timeout_s:g} s:\n{log_tail()}")
+
+
+def start_process(cmd: list[str], port: int, log_path: Path, ready_path: str = "/ready",
+                  args: list[str] | None = None, env: dict[str, str] | None = None,
+                  ready_timeout_s: float = READY_TIMEOUT_S,
+                  server_cls: type[ManagedServer] = ManagedServer, **fields) -> ManagedServer:
+    """Start an HTTP server process ``cmd`` listening on ``port`` in its own process group and
+    wait until ``ready_path`` answers 200.
+
+    Args:
+        server_cls, fields: the class of the returned object and its extra fields.
+
+    Raises:
+        RuntimeError: the process exited (with its log tail).
+        TimeoutError: not ready within ``ready_timeout_s`` seconds (the process is stopped).
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+    server = server_cls(base_url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path,
+                        args=args or cmd, **fields)
+    try:
+        wait_until_up(proc, f"{server.base_url}{ready_path}", ready_timeout_s, server.log_tail,
+                      seen=server.ready_statuses)
+    except TimeoutError:
+        stop_process(server)
+        raise
+    server.ready_s = time.monotonic() - t0
+    return server
+
+
+def start_serve(args: list[str], log_path: Path, model_dir: Path = TINY_MODEL,
+                env: dict[str, str] | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
+                server_cls: type[ManagedServer] = ManagedServer, **fields) -> ManagedServer:
+    """Start ``python -m serve --model MODEL_DIR --port P *args`` and wait for ``/ready``
+    200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve", "--model", str(model_dir), "--port", str(port),
+           *args]
+    return start_process(cmd, port, log_path, "/ready", args, env, ready_timeout_s,
+                         server_cls, **fields)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGINT the process group, then SIGKILL it if it does not stop within ``grace_s``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def stop_process(server: ManagedServer, grace_s: float = 30.0) -> None:
+    """Stop a server started by :func:`start_process` (:func:`stop_group`)."""
+    stop_group(server.proc, grace_s)
