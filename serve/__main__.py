@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings, on_fatal=on_fatal)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, timeout_graceful_shutdown=30,
-                            lifespan="on", http=bounded_head_protocol(settings.max_header_bytes))
+                            lifespan="on", http=bounded_head_protocol(
+                                settings.max_header_bytes, app.count_head_refused))
     server = uvicorn.Server(config)
     server.run()
     return 1 if failed else 0

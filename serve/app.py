@@ -157,6 +157,11 @@ class Gateway:
             await openai_error(500, "internal server error", type_="server_error")(
                 scope, receive, send)
 
+    def count_head_refused(self) -> None:
+        """Count a request refused below the app for its head size (431,
+        ``serve.http_limits``): its path is unknown, so its route label is ``other``."""
+        self.metrics.http_responses.labels(route="other", code="431").inc()
+
     def _unavailable(self) -> Response:
         phase = self.state.phase.value
         return openai_error(

@@ -10,6 +10,7 @@ limit plus one read of memory.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -18,9 +19,11 @@ from serve.errors import error_body
 END_OF_HEAD = b"\r\n\r\n"
 
 
-def bounded_head_protocol(max_head_bytes: int) -> type[HttpToolsProtocol]:
+def bounded_head_protocol(max_head_bytes: int, on_refused: Callable[[], None] | None = None
+                          ) -> type[HttpToolsProtocol]:
     """A uvicorn HTTP protocol class (``uvicorn.Config(http=...)``) answering 431 to a
-    request whose head is over ``max_head_bytes`` bytes."""
+    request whose head is over ``max_head_bytes`` bytes; ``on_refused`` is called for each
+    (the gateway counts it in ``phi3v_http_responses_total``: the app never sees it)."""
 
     class BoundedHeadProtocol(HttpToolsProtocol):
         """uvicorn's httptools protocol with a request-head limit (module docstring)."""
@@ -46,6 +49,8 @@ def bounded_head_protocol(max_head_bytes: int) -> type[HttpToolsProtocol]:
             super().data_received(data)
 
         def send_431(self) -> None:
+            if on_refused is not None:
+                on_refused()
             body = json.dumps(error_body(
                 431, f"request headers exceed {max_head_bytes} bytes",
                 "invalid_request_error")).encode()

@@ -150,6 +150,7 @@ class Metrics:
         for route in GENERATION_ROUTES:
             for code in INITIAL_CODES:
                 self.http_responses.labels(route=route, code=code)
+        self.http_responses.labels(route="other", code="431")  # refused below the app
         for direction in ("up", "down", "hold"):
             for reason in DECISION_REASONS:
                 self.decisions.labels(direction=direction, reason=reason)

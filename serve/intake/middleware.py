@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -84,38 +85,38 @@ class IntakeMiddleware:
             raw = await read_body(receive)
         except ClientGone:
             return
+        header_id = None
         try:
-            scope, request_id = unique_request_id_header(scope)
-            body, images = await self.process(raw, protocol, request_id)
+            scope, header_id = unique_request_id_header(scope)
+            body, images, request_id = await self.process(raw, protocol, header_id)
         except IntakeError as err:
+            if header_id is not None:
+                send = echo_request_id(send, header_id)
             await err.response()(scope, receive, send)
             return
         scope = {**with_content_length(scope, len(body)), IMAGES_SCOPE_KEY: images}
-        if request_id is not None:
-            send = echo_request_id(send, request_id)
-        await self.app(scope, replay(body, receive), send)
+        await self.app(scope, replay(body, receive), echo_request_id(send, request_id))
 
     async def process(self, raw: bytes, protocol: str = CHAT,
-                      request_id: str | None = None) -> tuple[bytes, int]:
-        """The cleaned request body and its number of images.
+                      header_id: str | None = None) -> tuple[bytes, int, str]:
+        """The cleaned request body, its number of images and its request id
+        (:meth:`parse`).
 
         A body of at most :data:`INLINE_MAX_BYTES` without images whose prompt provably fits
         (:meth:`PromptBudget.check`'s bound) is handled on the event loop: microseconds,
         less than a thread hop. Everything else runs in one worker thread (two when image
-        URLs must be fetched in between). ``request_id`` (the client's ``X-Request-Id``, made
-        unique) becomes a Responses body's ``request_id`` when it has none: vLLM names a
-        response after the body field only.
+        URLs must be fetched in between).
 
         Raises:
             IntakeError: the first client mistake found.
         """
         if len(raw) <= INLINE_MAX_BYTES:
-            request = self.parse(raw, protocol, request_id)
+            request = self.parse(raw, protocol, header_id)
             if not request.images and (self.budget is None or request.messages is None
                                        or self.budget.fits(request)):
                 return self.serialize(request)
         else:
-            done = await asyncio.to_thread(self.parse_and_finish, raw, protocol, request_id)
+            done = await asyncio.to_thread(self.parse_and_finish, raw, protocol, header_id)
             if not isinstance(done, GenerationRequest):
                 return done
             request = done
@@ -123,17 +124,17 @@ class IntakeMiddleware:
             return await self.fetch_and_finish(request)
         return await asyncio.to_thread(self.finish, request, {})
 
-    def parse_and_finish(self, raw: bytes, protocol: str = CHAT, request_id: str | None = None
-                         ) -> tuple[bytes, int] | GenerationRequest:
+    def parse_and_finish(self, raw: bytes, protocol: str = CHAT, header_id: str | None = None
+                         ) -> tuple[bytes, int, str] | GenerationRequest:
         """:meth:`parse` then :meth:`finish` in the calling (worker) thread, unless an image URL
         must be fetched first: then the parsed request is returned for :meth:`fetch_and_finish`.
         """
-        request = self.parse(raw, protocol, request_id)
+        request = self.parse(raw, protocol, header_id)
         if not all(ref.is_data_url for ref in request.images):
             return request
         return self.finish(request, {})
 
-    async def fetch_and_finish(self, request: GenerationRequest) -> tuple[bytes, int]:
+    async def fetch_and_finish(self, request: GenerationRequest) -> tuple[bytes, int, str]:
         """Fetch the request's image URLs (SSRF rules in ``serve.intake.urls``), then finish in a
         worker thread."""
         fetched = {}
@@ -143,13 +144,19 @@ class IntakeMiddleware:
         return await asyncio.to_thread(self.finish, request, fetched)
 
     def parse(self, raw: bytes, protocol: str = CHAT,
-              request_id: str | None = None) -> GenerationRequest:
+              header_id: str | None = None) -> GenerationRequest:
         """JSON and structure checks (CPU-bound for a large body: run it in a worker thread).
 
         Args:
             raw: the request body.
             protocol: the route's protocol (``serve.routes``: chat, completions, responses).
-            request_id: the client's ``X-Request-Id`` made unique, if it sent one.
+            header_id: the client's ``X-Request-Id`` made unique, if it sent one.
+
+        Every request leaves with one request id, the one vLLM names the response after and
+        the ``X-Request-Id`` response header echoes (:attr:`GenerationRequest.request_id`):
+        for chat and completions the header's (vLLM prefers it), else the body's
+        ``request_id``, else a new one put in the body; for the Responses API (vLLM reads
+        only the body) the body's, else the header's, else a new ``resp_...``, in the body.
 
         Raises:
             IntakeError: 400 naming the field.
@@ -161,8 +168,12 @@ class IntakeMiddleware:
         except RecursionError:
             raise IntakeError(400, "request body is nested too deeply") from None
         request = PARSERS[protocol](data, self.limits)
-        if protocol == RESPONSES and request_id is not None and "request_id" not in data:
-            data["request_id"] = request_id
+        if protocol == RESPONSES:
+            request.request_id = data.get("request_id") or header_id or new_request_id("resp_")
+        else:
+            request.request_id = header_id or data.get("request_id") or new_request_id()
+        if header_id is None or protocol == RESPONSES:
+            data["request_id"] = request.request_id
         for name in REFUSED_FIELDS:
             if data.get(name) is not None:
                 raise IntakeError(400, f"{name} is not accepted by this server", name)
@@ -176,7 +187,7 @@ class IntakeMiddleware:
         return request
 
     def finish(self, request: GenerationRequest,
-               fetched: dict[int, bytes]) -> tuple[bytes, int]:
+               fetched: dict[int, bytes]) -> tuple[bytes, int, str]:
         """Prepare every image (cached), check the prompt length, serialise (blocking).
 
         Args:
@@ -205,9 +216,9 @@ class IntakeMiddleware:
         return self.serialize(request)
 
     @staticmethod
-    def serialize(request: GenerationRequest) -> tuple[bytes, int]:
-        """The body forwarded to vLLM and its number of images."""
-        return json.dumps(request.body).encode(), len(request.images)
+    def serialize(request: GenerationRequest) -> tuple[bytes, int, str]:
+        """The body forwarded to vLLM, its number of images and its request id."""
+        return json.dumps(request.body).encode(), len(request.images), request.request_id
 
 
 def unique_request_id_header(scope: Scope) -> tuple[Scope, str | None]:
@@ -223,10 +234,24 @@ def unique_request_id_header(scope: Scope) -> tuple[Scope, str | None]:
     sent = [value for name, value in headers if name == REQUEST_ID_HEADER]
     if not sent:
         return scope, None
-    unique = check_request_id(sent[0].decode("latin-1"), "X-Request-Id")
+    unique = check_request_id(_header_text(sent[0]), "X-Request-Id")
     rewritten = [(name, value) for name, value in headers if name != REQUEST_ID_HEADER]
-    rewritten.append((REQUEST_ID_HEADER, unique.encode("latin-1")))
+    rewritten.append((REQUEST_ID_HEADER, unique.encode()))
     return {**scope, "headers": rewritten}, unique
+
+
+def _header_text(value: bytes) -> str:
+    """A header value as text: UTF-8 as clients send it, else Latin-1 (HTTP's historic
+    charset), so a length limit counts characters."""
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
+
+
+def new_request_id(prefix: str = "") -> str:
+    """A request id for a request whose client chose none (16 random hex digits)."""
+    return f"{prefix}{secrets.token_hex(8)}"
 
 
 def echo_request_id(send: Send, request_id: str) -> Send:
@@ -237,6 +262,6 @@ def echo_request_id(send: Send, request_id: str) -> Send:
             headers = [(k, v) for k, v in message.get("headers") or []
                        if k.lower() != REQUEST_ID_HEADER]
             message = {**message, "headers": [*headers, (REQUEST_ID_HEADER,
-                                                         request_id.encode("latin-1"))]}
+                                                         request_id.encode())]}
         await send(message)
     return _send

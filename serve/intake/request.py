@@ -106,6 +106,8 @@ class GenerationRequest:
     answer_fields: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
     prompt_field: str = "messages"
     default_max_tokens: bool = False
+    #: The id vLLM names the response after, echoed in ``X-Request-Id`` (set by the intake).
+    request_id: str = ""
 
     def answer_tokens(self) -> tuple[str, int | None]:
         """The answer-length field in use and its value: the first of :attr:`answer_fields`
@@ -117,20 +119,35 @@ class GenerationRequest:
         return field, value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def neutralise(text: str, param: str | None = None) -> str:
-    """User text with Phi-3 control sequences made inert (see module docstring).
+def neutralise(text: str) -> str:
+    """User text with Phi-3 control sequences made inert (see module docstring)."""
+    return text.replace(CONTROL_PREFIX, NEUTRALISED_PREFIX)
+
+
+def check_unicode(value: Any, path: str = "") -> None:
+    """Every string of a decoded JSON body (keys and values, any depth) is valid Unicode.
+
+    JSON allows a lone UTF-16 surrogate (``"\\ud800"``) that no tokenizer, encoder or
+    log can handle: vLLM answered 500 for one in ``stop``. ASCII strings (base64 images, most
+    text) are cleared by one C-level test each.
 
     Raises:
-        IntakeError: 400 naming ``param`` when the text is not valid Unicode (a lone UTF-16
-            surrogate such as ``"\\ud800"``, which JSON allows but no tokenizer can encode).
+        IntakeError: 400 naming the field (``messages[0].content``, ``stop[0]``).
     """
-    if not text.isascii():
-        try:
-            text.encode()
-        except UnicodeEncodeError:
-            raise IntakeError(400, "text is not valid Unicode (it holds a lone UTF-16 "
-                              "surrogate)", param) from None
-    return text.replace(CONTROL_PREFIX, NEUTRALISED_PREFIX)
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise IntakeError(400, "text is not valid Unicode (it holds a lone UTF-16 "
+                                  "surrogate)", path or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, path or None)
+            check_unicode(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}[{i}]")
 
 
 #: Accepted values of ``image_url.detail`` (OpenAI's; Phi-3-vision's resolution is set by
@@ -160,7 +177,7 @@ def _check_part(part: Any, role: str, i: int, j: int, images: list[ImageRef]) ->
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise IntakeError(400, "a text part needs a string 'text'", f"{param}.text")
-        part["text"] = neutralise(part["text"], f"{param}.text")
+        part["text"] = neutralise(part["text"])
     elif kind == "image_url":
         if role != "user":
             raise IntakeError(400, f"images are accepted in user messages only, not {role}",
@@ -224,7 +241,7 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
         role = check_role(message, ROLES, f"messages[{i}]")
         content = message.get("content")
         if isinstance(content, str):
-            message["content"] = neutralise(content, f"messages[{i}].content")
+            message["content"] = neutralise(content)
         elif isinstance(content, list):
             if not content:
                 raise IntakeError(400, "content must not be an empty list",
@@ -266,13 +283,19 @@ ANSWER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def check_common(body: dict, limits: RequestLimits) -> None:
-    """Checks every generation route shares: ``n``, the answer-length fields (integers of at
-    least 1, each named in its error) and a client-chosen ``request_id`` (made unique in
-    place, see :func:`check_request_id`).
+    """Checks every generation route shares: valid Unicode everywhere (:func:`check_unicode`),
+    no tools, ``n``, the answer-length fields (integers of at least 1, each named in its
+    error) and a client-chosen ``request_id`` (made unique in place, see
+    :func:`check_request_id`).
 
     Raises:
         IntakeError: 400 naming the field.
     """
+    check_unicode(body)
+    tool_choice = body.get("tool_choice")
+    if body.get("tools") or tool_choice not in (None, "none"):
+        raise IntakeError(400, "tools are not supported: Phi-3-vision has no tool-call format",
+                          "tools" if body.get("tools") else "tool_choice")
     n = body.get("n", 1)
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1
                           or n > limits.max_n):

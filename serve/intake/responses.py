@@ -53,7 +53,7 @@ def _text(part: dict, where: str, output_message: bool) -> str:
     key = "refusal" if part["type"] == "refusal" else "text"
     if not isinstance(part.get(key), str):
         raise IntakeError(400, f"a {part['type']} part needs a string '{key}'", f"{where}.{key}")
-    text = neutralise(part.pop(key), f"{where}.{key}")
+    text = neutralise(part.pop(key))
     part["text"] = text
     if output_message:
         part.update(type="output_text", annotations=part.get("annotations") or [])
@@ -92,7 +92,7 @@ def _message(item: Any, where: str, images: list[ImageRef]) -> dict:
     role = check_role(item, ROLES, where)
     content = item.get("content")
     if isinstance(content, str):
-        item["content"] = neutralise(content, f"{where}.content")
+        item["content"] = neutralise(content)
         return {"role": ROLES[role], "content": item["content"]}
     output_message = role == "assistant" and "id" in item and "status" in item
     if not isinstance(content, list) or not content:
@@ -127,9 +127,6 @@ def parse_responses_request(body: Any, limits: RequestLimits) -> GenerationReque
     if not isinstance(body, dict):
         raise IntakeError(400, "request body must be a JSON object")
     check_common(body, limits)
-    if body.get("tools"):
-        raise IntakeError(400, "tools are not supported: Phi-3-vision has no tool-call format",
-                          "tools")
     if body.get("previous_response_id") is not None:
         raise IntakeError(400, "previous_response_id is not supported (responses are not "
                           "stored); send the conversation in input", "previous_response_id")
@@ -138,12 +135,12 @@ def parse_responses_request(body: Any, limits: RequestLimits) -> GenerationReque
     if instructions is not None:
         if not isinstance(instructions, str):
             raise IntakeError(400, "instructions must be a string", "instructions")
-        body["instructions"] = neutralise(instructions, "instructions")
+        body["instructions"] = neutralise(instructions)
         messages.append({"role": "system", "content": body["instructions"]})
     images: list[ImageRef] = []
     data = body.get("input")
     if isinstance(data, str):
-        body["input"] = neutralise(data, "input")
+        body["input"] = neutralise(data)
         messages.append({"role": "user", "content": body["input"]})
     elif isinstance(data, list) and data:
         messages += [_message(item, f"input[{i}]", images) for i, item in enumerate(data)]

@@ -76,10 +76,21 @@ def test_responses_mistakes_are_400s_naming_the_field(server):
     for body, param in cases:
         r = post(server, "/v1/responses", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    chat = post(server, "/v1/chat/completions", {
-        "model": server.model, "max_tokens": 2,
-        "messages": [{"role": "user", "content": "a\ud800"}]})
-    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages[0].content"
+    chat = {"model": server.model, "max_tokens": 2, "messages": [{"role": "user", "content": "a"}]}
+    chat_cases = [
+        ({**chat, "messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
+        ({**chat, "stop": ["\ud800"]}, "stop[0]"),  # vLLM alone: 500 from its encoder
+        ({**chat, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,\ud800"}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({**chat, "tool_choice": "auto"}, "tool_choice"),
+    ]
+    for body, param in chat_cases:
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(server, "/v1/completions", {"model": server.model, "prompt": "\ud800"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     nested = '{"model": "m", "input": "hi", "x": ' + "[" * 1000 + "]" * 1000 + "}"
     for path in ("/v1/responses", "/v1/chat/completions"):
         r = httpx.post(f"{server.base_url}{path}", content=nested, timeout=60,
@@ -113,15 +124,33 @@ def test_same_request_id_gets_distinct_response_ids(server):
         assert len(ids) == 10
         long = client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "a" * 257})
         assert long.status_code == 400 and long.json()["error"]["param"] == "X-Request-Id"
+        # 256 characters, not bytes (UTF-8 in the header)
+        accented = client.post("/v1/chat/completions", json=chat,
+                               headers={"X-Request-Id": ("\u00e9" * 200).encode()})
+        assert accented.status_code == 200, accented.text
+        refused = client.post("/v1/chat/completions", headers={"X-Request-Id": "bad"},
+                              json={**chat, "n": 5})
+        assert refused.status_code == 400 and refused.headers["x-request-id"].startswith("bad-")
+        # Every answer names the id it ran under, also when the client chose none.
+        for path, body in (("/v1/chat/completions", chat),
+                           ("/v1/responses", {"model": server.model, "input": "hi",
+                                              "max_output_tokens": 2})):
+            plain = client.post(path, json=body)
+            assert plain.headers["x-request-id"] in plain.json()["id"]
+            mine = client.post(path, json={**body, "request_id": "mine"})
+            assert mine.headers["x-request-id"].startswith("mine-")
+            assert mine.headers["x-request-id"] in mine.json()["id"]
         control = client.post("/v1/responses", json={"model": server.model, "input": "hi",
                                                      "request_id": "a\u0007b"})
         assert control.status_code == 400 and control.json()["error"]["param"] == "request_id"
 
 
 def test_a_megabyte_header_is_431_and_a_large_one_passes(server):
+    before = server.metric("phi3v_http_responses_total", {"code": "431"})
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         r = client.get("/v1/models", headers={"X-Big": "a" * 2**20})
         assert r.status_code == 431 and "headers exceed" in r.json()["error"]["message"]
+    assert server.metric("phi3v_http_responses_total", {"code": "431"}) == before + 1
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         assert client.get("/v1/models", headers={"X-Big": "a" * 32_000}).status_code == 200
         assert client.get("/health").status_code == 200
