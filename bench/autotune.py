@@ -5,7 +5,7 @@
 **Simulator part** (always). The phase-changing trace of :func:`bench.trace.phase_trace`
 (3 x 180 s) runs through :mod:`bench.sim` once with the autotuner (``auto``: the real
 :class:`~serve.admission.controller.Controller` and
-:class:`~serve.admission.autotuner.Autotuner`) and once per static limit L in
+:class:`~serve.admission.loop.AutotuneLoop`) and once per static limit L in
 :data:`STATIC_LIMITS`. Controller, gateway and SLO constants are those a GPU server with
 today's ``serve.settings`` runs (``PHI3V_*`` environment variables apply, as for
 ``python -m serve``). Goodput is DistServe's
@@ -53,8 +53,8 @@ from pathlib import Path
 
 from bench.sim import RequestResult, RunResult, Setup, simulate
 from bench.trace import Trace, cpu_trace, phase_trace
+from serve.admission.engine_stats import percentile
 from serve.admission.goodput import SloTargets
-from serve.admission.signals import percentile
 from serve.settings import Settings
 
 #: Static limits compared with ``auto`` (requests): powers of two up to the GPU ceiling.

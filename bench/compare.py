@@ -52,7 +52,7 @@ from bench.process import (
     start_serve,
     stop_process,
 )
-from serve.admission.signals import percentile
+from serve.admission.engine_stats import percentile
 
 #: W1's prompts per segment, by kind and concurrency. A cell runs 4 segments per side (2 when a
 #: segment holds 64 prompts), the order of the sides alternating: ~5 min in all on this CPU.

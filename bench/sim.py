@@ -21,8 +21,8 @@ What is modelled, and from where:
   ``L`` requests admitted, ``max_queue``, ``max_queue_wait_s`` timeouts and the middleware's
   SLO shedding (expected wait > TTFT target -> rejected at once).
 - **Control**: each step emits ``SchedulerStats`` / ``IterationStats``-shaped records into a
-  real :class:`~serve.admission.signals.EngineStatsFeed` on the simulated clock, and the real
-  :class:`~serve.admission.autotuner.Autotuner` + :class:`~serve.admission.controller.
+  real :class:`~serve.admission.engine_stats.EngineStatsFeed` on the simulated clock, and the real
+  :class:`~serve.admission.loop.AutotuneLoop` + :class:`~serve.admission.controller.
   Controller` tick every ``interval_s`` of simulated time and move the gate's limit.
 
 Every request ends either finished or dropped (gateway refusal); goodput is DistServe's
@@ -38,9 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from bench.trace import Trace, TraceRequest
-from serve.admission.autotuner import Autotuner
 from serve.admission.capacity import kv_safe_seqs
 from serve.admission.controller import Controller, ControllerConfig, Decision
+from serve.admission.engine_stats import EngineStatsFeed
 from serve.admission.goodput import SloTargets, streamed_good
 from serve.admission.limiter import (
     QUEUE_FULL,
@@ -50,7 +50,7 @@ from serve.admission.limiter import (
     SlotCounter,
 )
 from serve.admission.limiter import SLO as SLO_REJECT
-from serve.admission.signals import EngineStatsFeed
+from serve.admission.loop import AutotuneLoop
 from serve.settings import Settings
 
 
@@ -395,7 +395,7 @@ class Simulation:
         self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock)
         config = replace(setup.controller, ceiling=engine.max_num_seqs,
                          min_seqs=min(setup.controller.min_seqs, engine.max_num_seqs))
-        self.autotuner = Autotuner(Controller(config, limit, history=1_000_000), self.gate,
+        self.loop = AutotuneLoop(Controller(config, limit, history=1_000_000), self.gate,
                                    self.feed, mode=mode, interval_s=setup.interval_s,
                                    gpu=_NoGpu(), clock=self.clock)
         self.limits: list[tuple[float, int]] = [(0.0, self.gate.limit)]
@@ -545,15 +545,15 @@ class Simulation:
                 i += 1
             else:
                 self.gate.expire()
-                self.autotuner.tick()
+                self.loop.tick()
                 self.limits.append((self.now, self.gate.limit))
-                self._next_tick += self.autotuner.interval_s
+                self._next_tick += self.loop.interval_s
         self._next_arrival = i
 
     def run(self) -> RunResult:
         """Simulate the whole trace; returns when every request has finished or been dropped."""
         self._next_arrival = 0
-        self._next_tick = self.autotuner.interval_s
+        self._next_tick = self.loop.interval_s
         n = len(self.results)
         while True:
             if self.running or self.waiting:
@@ -574,7 +574,7 @@ class Simulation:
             self.gate.expire()
         label = "auto" if self.mode == "auto" else f"L={self.gate.limit}"
         return RunResult(label, self.results, self.limits,
-                         list(self.autotuner.controller.decisions), self.preemptions,
+                         list(self.loop.controller.decisions), self.preemptions,
                          self.steps, self.now)
 
 

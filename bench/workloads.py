@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from serve.admission.signals import percentile
+from serve.admission.engine_stats import percentile
 from serve.sse import data_event
 
 #: A 12-megapixel phone photo (4:3, landscape), pixels.

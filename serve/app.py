@@ -220,7 +220,7 @@ class Gateway:
 
     async def autotuner_state(self, request: Request) -> Response:
         """Read-only autotuner state: limit, last signals, recent decisions."""
-        return JSONResponse(self.admission.autotuner.state())
+        return JSONResponse(self.admission.loop.state())
 
     def request_layers(self) -> list[Callable[[ASGIApp], ASGIApp]]:
         """The layers every request to vLLM's app passes, outermost first (auth and the route
@@ -271,8 +271,8 @@ class Gateway:
             log.info("KV cache: %s tokens; KV-safe capacity %s requests; admission limit %d",
                      kv_tokens, capacity, self.admission.limiter.limit)
             self.state.openai_app = compose(app, self.request_layers())
-            self.admission.autotuner.start()
-            self._exit_stack.push_async_callback(self.admission.autotuner.stop)
+            self.admission.loop.start()
+            self._exit_stack.push_async_callback(self.admission.loop.stop)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

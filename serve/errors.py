@@ -2,7 +2,13 @@
 
 Shape (as the OpenAI API and vLLM's ``ErrorResponse``)::
 
-    {"error": {"message": str, "type": str, "param": str | null, "code": int}}
+    {"error": {"message": str, "type": str, "param": str | null, "code": int | str}}
+
+``code``, one rule for every error this server sends: the HTTP status as an int (what vLLM's
+own errors carry, so most clients already handle it), except where a client must tell cases
+apart by machine: then the string the OpenAI API uses for that case (``invalid_api_key``,
+``context_length_exceeded``), or ours in the same form (``image_too_large``). ``type`` is
+OpenAI's class (``invalid_request_error``, ``rate_limit_exceeded``, ``server_error``, ...).
 """
 
 from __future__ import annotations

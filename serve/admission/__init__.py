@@ -1,16 +1,21 @@
 """Admission control and the live ``max_num_seqs`` autotuner.
 
-- ``limiter``: the enforcement (bounded FIFO queue, at most L requests in the engine);
-- ``controller``: the pure algorithm (signals in, new L and a reason out);
-- ``signals``: engine-side signals from a vLLM stat logger;
-- ``autotuner``: the periodic loop tying them together (plus NVML);
+The autotuner is two pieces: the *controller* (the algorithm) and the *loop* (the periodic
+task that samples, asks the controller and applies its answer).
+
+- ``limiter``: the enforcement: a synchronous slot counter and the asyncio FIFO queue over it;
+- ``controller``: the pure algorithm (:class:`~serve.admission.controller.Signals` in, new
+  limit and a reason out);
+- ``engine_stats``: the engine-side statistics a vLLM stat logger feeds (sliding windows);
+- ``loop``: :class:`~serve.admission.loop.AutotuneLoop`, tying them together (plus NVML);
+- ``goodput``: the SLO targets and the goodput rule;
 - ``middleware``: the ASGI piece in front of vLLM's OpenAI app (429s, goodput accounting);
-- ``metrics``: our ``phi3v_*`` Prometheus series;
 - ``capacity``: the KV-safe concurrency (pure arithmetic);
 - ``service``: :class:`~serve.admission.service.Admission`, the pieces of one API process
   built from :class:`~serve.settings.Settings`.
 
-The package imports nothing itself: ``controller``, ``limiter``, ``signals`` and ``capacity``
-use only the standard library (a test checks it), so the autotuner's algorithm and the
-simulator (``bench/sim.py``) load without torch, vLLM or Starlette.
+Our ``phi3v_*`` series are declared in ``serve/metrics.py``. The package imports nothing
+itself: ``controller``, ``limiter``, ``engine_stats``, ``goodput`` and ``capacity`` use only
+the standard library (a test checks it), so the algorithm and the simulator
+(``bench/sim.py``) load without torch, vLLM or Starlette.
 """

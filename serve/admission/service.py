@@ -1,17 +1,17 @@
-"""The admission pieces of one API process (limiter, engine-stats feed, autotuner, SLO
+"""The admission pieces of one API process (limiter, engine-stats feed, autotune loop, SLO
 targets), built from :class:`~serve.settings.Settings` and bound to the Prometheus gauges."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serve.admission.autotuner import Autotuner
 from serve.admission.capacity import kv_safe_seqs
 from serve.admission.controller import Controller, ControllerConfig
+from serve.admission.engine_stats import EngineStatsFeed, stat_logger_factory
 from serve.admission.goodput import SloTargets
 from serve.admission.limiter import AdmissionLimiter
+from serve.admission.loop import AutotuneLoop
 from serve.admission.middleware import AdmissionMiddleware
-from serve.admission.signals import EngineStatsFeed, stat_logger_factory
 from serve.metrics import Metrics
 from serve.settings import Settings
 
@@ -22,7 +22,7 @@ class Admission:
 
     limiter: AdmissionLimiter
     feed: EngineStatsFeed
-    autotuner: Autotuner
+    loop: AutotuneLoop
     slo: SloTargets
     metrics: Metrics
 
@@ -36,10 +36,9 @@ class Admission:
         limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s,
                                    ceiling=s.max_num_seqs, engine_queue=s.engine_queue)
         feed = EngineStatsFeed(window_s=s.autotune_window_s)
-        autotuner = Autotuner(Controller(config, s.admission_limit), limiter, feed,
-                              mode=s.autotune, interval_s=s.autotune_interval_s,
-                              metrics=metrics)
-        admission = cls(limiter, feed, autotuner, SloTargets(s.slo_ttft_s, s.slo_itl_s), metrics)
+        loop = AutotuneLoop(Controller(config, s.admission_limit), limiter, feed,
+                            mode=s.autotune, interval_s=s.autotune_interval_s, metrics=metrics)
+        admission = cls(limiter, feed, loop, SloTargets(s.slo_ttft_s, s.slo_itl_s), metrics)
         admission.export()
         return admission
 
@@ -49,7 +48,7 @@ class Admission:
         m.pending.set_function(lambda: lim.pending)
         m.running.set_function(lambda: lim.in_flight)
         m.max_num_seqs.set_function(lambda: lim.limit)
-        config = self.autotuner.controller.config
+        config = self.loop.controller.config
         m.ceiling.set(config.ceiling)
         m.min_seqs.set(config.min_seqs)
         m.headroom.set(config.headroom)
@@ -58,7 +57,7 @@ class Admission:
         m.max_queue.set(lim.max_queue)
         m.slo_ttft.set(self.slo.ttft_s)
         m.slo_itl.set(self.slo.itl_s)
-        m.auto_mode.set(1 if self.autotuner.mode == "auto" else 0)
+        m.auto_mode.set(1 if self.loop.mode == "auto" else 0)
 
     def apply_kv_capacity(self, settings: Settings, kv_tokens: int | None) -> int | None:
         """Start the autotuner at the engine's KV-safe capacity (``serve.admission.capacity``).
@@ -80,8 +79,8 @@ class Admission:
         capacity = kv_safe_seqs(kv_tokens, s.num_crops, s.max_num_seqs)
         self.metrics.kv_safe_seqs.set(capacity)
         if s.autotune == "auto" and not s.admission_limit_explicit:
-            self.autotuner.controller.set_start(capacity)
-            self.limiter.set_limit(self.autotuner.controller.limit)
+            self.loop.controller.set_start(capacity)
+            self.limiter.set_limit(self.loop.controller.limit)
         return capacity
 
     def stat_loggers(self) -> list:

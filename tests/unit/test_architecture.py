@@ -11,7 +11,8 @@ from tests.helpers import ROOT
 #: The algorithm and policy modules: the autotuner's controller, the admission limiter, the
 #: engine-signal window, the KV-capacity planner, the request rules and the route table.
 PURE_MODULES = (
-    "serve.admission.controller", "serve.admission.limiter", "serve.admission.signals",
+    "serve.admission.controller", "serve.admission.limiter", "serve.admission.engine_stats",
+    "serve.admission.goodput",
     "serve.admission.capacity", "serve.intake.request", "serve.intake.responses",
     "serve.routes", "serve.errors",
 )

@@ -42,7 +42,7 @@ def test_auto_starts_at_the_kv_safe_capacity_unless_a_limit_is_set():
     auto = Admission.from_settings(Settings(device="cpu"))
     assert auto.limiter.limit == 32  # the ceiling until the engine reports its KV cache
     assert auto.apply_kv_capacity(Settings(device="cpu"), 5 * per) == 5
-    assert auto.limiter.limit == auto.autotuner.controller.start == 5
+    assert auto.limiter.limit == auto.loop.controller.start == 5
     assert auto.apply_kv_capacity(Settings(device="cpu"), None) is None  # unknown: unchanged
     explicit = Settings(device="cpu", admission_limit=3)
     pinned = Admission.from_settings(explicit)
@@ -64,7 +64,7 @@ def test_autotuner_state_reports_the_limiter():
     """``GET /admin/autotuner``'s body, built without an engine."""
     from serve.admission.service import Admission
 
-    state = Admission.from_settings(Settings(device="cpu")).autotuner.state()
+    state = Admission.from_settings(Settings(device="cpu")).loop.state()
     assert state["limit"] == state["capacity"] - state["engine_queue"] == 32
     assert state["in_flight"] == state["pending"] == 0 and state["mode"] == "auto"
     json.dumps(state)  # serialisable as the route returns it

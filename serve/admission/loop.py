@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import Literal
 
 from serve.admission.controller import Controller, Decision, Signals
+from serve.admission.engine_stats import EngineStatsFeed
 from serve.admission.limiter import AdmissionLimiter
-from serve.admission.signals import EngineStatsFeed
 from serve.metrics import Metrics
 
-log = logging.getLogger("serve.autotuner")
+log = logging.getLogger("serve.loop")
 
 Mode = Literal["auto", "static"]
 
@@ -54,7 +54,7 @@ class GpuUtilization:
         return sum(rates) / len(rates) / 100.0
 
 
-class Autotuner:
+class AutotuneLoop:
     """Samples signals every ``interval_s`` and moves the limiter's limit (mode ``auto``).
 
     In mode ``static`` it still samples (for ``/admin/autotuner`` and the metrics) but never
