@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from serve.app import create_app
     from serve.http_limits import bounded_head_protocol
+    from serve.lifecycle import DrainingServer
 
-    server: uvicorn.Server | None = None
+    server: DrainingServer | None = None
     failed = False
 
     def on_fatal() -> None:
@@ -95,11 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             server.should_exit = True
 
     app = create_app(settings, on_fatal=on_fatal)
+    # The drain (serve.lifecycle) ends every request before uvicorn stops: its own grace only
+    # covers the engine requests aborted by that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level, timeout_graceful_shutdown=30,
+                            log_level=settings.log_level, timeout_graceful_shutdown=5,
                             lifespan="on", http=bounded_head_protocol(
                                 settings.max_header_bytes, app.count_head_refused))
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, lambda: app.drain(settings.drain_timeout_s))
     server.run()
     return 1 if failed else 0
 

@@ -163,13 +163,38 @@ class Gateway:
         self.metrics.http_responses.labels(route="other", code="431").inc()
 
     def _unavailable(self) -> Response:
-        phase = self.state.phase.value
-        return openai_error(
-            503,
-            f"The server is {phase}; the model is not ready to serve yet.",
-            type_="service_unavailable",
-            headers={"Retry-After": str(BOOT_RETRY_AFTER_S)},
-        )
+        phase = self.state.phase
+        message = ("The server is shutting down; retry on another replica or in a moment."
+                   if phase is Phase.DRAINING else
+                   f"The server is {phase.value}; the model is not ready to serve yet.")
+        return openai_error(503, message, type_="service_unavailable",
+                            headers={"Retry-After": str(BOOT_RETRY_AFTER_S)})
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking work and let running requests finish (SIGTERM, ``serve.lifecycle``).
+
+        At once: ``/ready`` 503 and ``phi3v_ready`` 0 (``/health`` stays 200), new requests
+        503 + ``Retry-After``, queued ones too. Running requests get ``timeout_s`` seconds;
+        then each open stream gets one error event and each answer not started a 503.
+        """
+        if self.state.phase is Phase.FAILED:
+            return
+        self.state.phase = Phase.DRAINING
+        self.metrics.ready.set(0)
+        limiter = self.admission.limiter
+        refused = limiter.reject_waiting(BOOT_RETRY_AFTER_S)
+        log.info("SIGTERM: draining; %d running get %g s, %d queued refused",
+                 limiter.in_flight, timeout_s, refused)
+        deadline = time.monotonic() + timeout_s
+        while limiter.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        middleware = self.admission.middleware
+        if limiter.in_flight and middleware is not None:
+            cut = await middleware.cut_open("The server is shutting down (drain timeout); "
+                                            "retry on another replica.", BOOT_RETRY_AFTER_S)
+            log.warning("drain timeout after %g s: %d requests cut", timeout_s, cut)
+        else:
+            log.info("drained: no request running")
 
     # --- routes -----------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:

@@ -169,6 +169,14 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         64 * 2**20, ge=1024, description="Largest request body, bytes; larger is 413."
     )
+    drain_timeout_s: float = Field(
+        30.0, ge=0,
+        description="On SIGTERM: seconds running requests get to finish while /ready answers 503 "
+        "and new or queued requests get 503 + Retry-After; then each open stream gets one error "
+        "event, each other request a 503, and the process exits 0. Kubernetes' "
+        "terminationGracePeriodSeconds and compose's stop_grace_period must exceed it "
+        "(deploy/ does: drain + 15 s).",
+    )
     max_header_bytes: int = Field(
         64 * 2**10, ge=4096,
         description="Largest request head (request line and headers), bytes; larger is 431. "

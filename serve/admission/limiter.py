@@ -32,6 +32,8 @@ QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
 SLO = "slo"
 REJECT_REASONS = (QUEUE_FULL, QUEUE_TIMEOUT, SLO)
+#: Reason of the queued requests refused when the server drains (HTTP 503, not 429).
+DRAINING = "draining"
 
 
 class Rejected(Exception):
@@ -256,6 +258,7 @@ class AdmissionLimiter:
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._closed = False  # draining: queue no one
 
     # --- state (the counter's, and the queue's) ---------------------------------------------
     @property
@@ -323,6 +326,8 @@ class AdmissionLimiter:
                 left the queue and holds no slot.
         """
         start = self._clock()
+        if self._closed:
+            raise Rejected(DRAINING, 1, "The server is shutting down.")
         if self.slots.has_room() and not self.pending:
             return self.slots.take(start)
         if self.pending >= self.max_queue:
@@ -356,10 +361,24 @@ class AdmissionLimiter:
         slot.queue_wait_s = slot.admitted_at - start
         return slot
 
+    def reject_waiting(self, retry_after_s: int) -> int:
+        """Refuse every queued request (reason ``draining``) and admit no one after: the
+        server is shutting down. Returns how many were refused."""
+        self._closed = True
+        refused = 0
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(Rejected(DRAINING, retry_after_s,
+                                           "The server is shutting down; retry on another "
+                                           "replica or in a moment."))
+                refused += 1
+        return refused
+
     def _abandon(self, fut: asyncio.Future) -> None:
         """A waiter leaves (timeout, cancel). If it had been granted a slot meanwhile, hand the
         slot back, so no slot leaks."""
-        if fut.done() and not fut.cancelled():
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
             fut.result().release(completed=False)
         else:
             fut.cancel()

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.admission.goodput import SloTargets, non_streamed_good, streamed_good
-from serve.admission.limiter import AdmissionLimiter, Rejected
+from serve.admission.limiter import DRAINING, AdmissionLimiter, Rejected
 from serve.asgi import IMAGES_SCOPE_KEY, REQUEST_STATE_KEY, ClientGone, read_body, replay
-from serve.errors import openai_error
+from serve.errors import error_body, openai_error
 from serve.metrics import Metrics
 from serve.routes import GENERATION_ROUTES
 from serve.sse import CHAT_SSE, SseDialect, dialect
@@ -111,6 +111,48 @@ class ResponseTracker:
         return non_streamed_good(e2e, self.completion_tokens() or 1, slo)
 
 
+class OpenRequest:
+    """The way back to one admitted request's client, which the server can end early.
+
+    Messages from the app pass through :meth:`forward` until :meth:`cut`; after it, they are
+    dropped (the engine request is aborted when the server stops)."""
+
+    def __init__(self, send: Send, sse: SseDialect) -> None:
+        self.send = send
+        self.sse = sse
+        self.started = self.streaming = self.done = self.is_cut = False
+
+    async def forward(self, message: Message) -> None:
+        if self.is_cut:
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+            headers = dict(message.get("headers") or [])
+            self.streaming = b"text/event-stream" in headers.get(b"content-type", b"")
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.done = True
+        await self.send(message)
+
+    async def cut(self, message: str, retry_after_s: int) -> None:
+        """End the answer now: one error event (a started stream), a 503 (not started), or
+        the end of the body (a started non-streamed answer)."""
+        if self.done or self.is_cut:
+            return
+        self.is_cut = True
+        if not self.started:
+            body = json.dumps(error_body(503, message, "service_unavailable")).encode()
+            await self.send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"),
+                (b"retry-after", str(retry_after_s).encode())]})
+            await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        elif self.streaming:
+            await self.send({"type": "http.response.body", "more_body": False,
+                             "body": self.sse.error_event(message)})
+        else:
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        self.done = True
+
+
 class AdmissionMiddleware:
     """Admission control + goodput accounting in front of vLLM's OpenAI app.
 
@@ -130,6 +172,17 @@ class AdmissionMiddleware:
         self.slo = slo
         self.metrics = metrics
         self.clock = clock
+        #: Admitted requests whose answer is not complete (cut when a drain times out).
+        self.open: set[OpenRequest] = set()
+
+    async def cut_open(self, message: str, retry_after_s: int) -> int:
+        """End every admitted request now (the drain deadline, ``serve.app``): a stream gets
+        exactly one error event of its dialect, an answer not started a 503 with
+        ``Retry-After``. Returns how many were cut."""
+        handles = list(self.open)
+        for handle in handles:
+            await handle.cut(message, retry_after_s)
+        return len(handles)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope.get("method") != "POST"
@@ -147,20 +200,28 @@ class AdmissionMiddleware:
         except ClientGone:
             return
         except Rejected as rej:
-            metrics.rejected.labels(reason=rej.reason).inc()
-            metrics.queue_wait.observe(rej.queue_wait_s)
-            response = openai_error(429, str(rej), type_="rate_limit_exceeded",
-                                    headers={"Retry-After": str(rej.retry_after_s),
-                                             "X-Phi3v-Reject-Reason": rej.reason})
+            headers = {"Retry-After": str(rej.retry_after_s), "X-Phi3v-Reject-Reason": rej.reason}
+            if rej.reason == DRAINING:  # shutting down: not a rate limit
+                response = openai_error(503, str(rej), type_="service_unavailable",
+                                        headers=headers)
+            else:
+                metrics.rejected.labels(reason=rej.reason).inc()
+                metrics.queue_wait.observe(rej.queue_wait_s)
+                response = openai_error(429, str(rej), type_="rate_limit_exceeded",
+                                        headers=headers)
             await response(scope, receive, send)
             return
         metrics.queue_wait.observe(slot.queue_wait_s)
-        tracker = ResponseTracker(arrival, self.clock, sse=dialect(scope.get("path")))
+        sse = dialect(scope.get("path"))
+        tracker = ResponseTracker(arrival, self.clock, sse=sse)
+        handle = OpenRequest(send, sse)
+        self.open.add(handle)
         try:
             await self.app(scope, tracker.watch(replay(body, receive),
                                                 scope.get(REQUEST_STATE_KEY)),
-                           tracker.wrap(send))
+                           tracker.wrap(handle.forward))
         finally:
+            self.open.discard(handle)
             completed = tracker.completed
             slot.release(completed=completed)
             if tracker.client_left:

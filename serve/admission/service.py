@@ -25,6 +25,7 @@ class Admission:
     loop: AutotuneLoop
     slo: SloTargets
     metrics: Metrics
+    middleware: AdmissionMiddleware | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> "Admission":
@@ -88,5 +89,7 @@ class Admission:
         return [stat_logger_factory(self.feed)]
 
     def wrap(self, app) -> AdmissionMiddleware:
-        """``app`` behind admission control."""
-        return AdmissionMiddleware(app, self.limiter, self.slo, self.metrics)
+        """``app`` behind admission control (kept as :attr:`middleware`: the drain cuts its
+        open requests)."""
+        self.middleware = AdmissionMiddleware(app, self.limiter, self.slo, self.metrics)
+        return self.middleware

