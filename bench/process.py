@@ -32,10 +32,10 @@ def free_port() -> int:
 
 
 def ensure_tiny_model(model: Path = TINY_MODEL) -> Path:
-    """Build the tiny model where it is missing (``python -m serve.models.build``)."""
-    if not (model / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "serve.models.build", "--size", "tiny",
-                        "--out", str(model)], cwd=ROOT, check=True)
+    """Build the tiny model, or rebuild it when the builder's sources changed
+    (``python -m serve.models.build`` is idempotent: a second of work when up to date)."""
+    subprocess.run([sys.executable, "-m", "serve.models.build", "--size", "tiny",
+                    "--out", str(model)], cwd=ROOT, check=True)
     return model
 
 
@@ -59,6 +59,10 @@ class ManagedServer:
     args: list[str]
     ready_s: float | None = None
     ready_statuses: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.base_url
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -93,11 +97,13 @@ def wait_until_up(proc: subprocess.Popen, url: str, timeout_s: float,
 def start_process(cmd: list[str], port: int, log_path: Path, ready_path: str = "/ready",
                   args: list[str] | None = None, env: dict[str, str] | None = None,
                   ready_timeout_s: float = READY_TIMEOUT_S,
-                  server_cls: type[ManagedServer] = ManagedServer, **fields) -> ManagedServer:
+                  server_cls: type[ManagedServer] = ManagedServer, unset: tuple[str, ...] = (),
+                  **fields) -> ManagedServer:
     """Start an HTTP server process ``cmd`` listening on ``port`` in its own process group and
     wait until ``ready_path`` answers 200.
 
     Args:
+        env: variables added to this process's environment; ``unset``: names removed from it.
         server_cls, fields: the class of the returned object and its extra fields.
 
     Raises:
@@ -107,8 +113,9 @@ def start_process(cmd: list[str], port: int, log_path: Path, ready_path: str = "
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
+        child_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+                                env=child_env, start_new_session=True)
     server = server_cls(base_url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path,
                         args=args or cmd, **fields)
     try:

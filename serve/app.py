@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve import engine as engine_mod
 from serve import http_metrics
+from serve.admission.engine_stats import stalled_s
 from serve.admission.service import Admission
 from serve.asgi import REQUEST_STATE_KEY, BodyLimitMiddleware
 from serve.auth import ApiKeys, unauthorized
@@ -56,6 +57,12 @@ log = logging.getLogger("serve.app")
 
 #: Seconds a client should wait before retrying while the engine boots.
 BOOT_RETRY_AFTER_S = 5
+#: Seconds between two checks of the engine (death, freeze).
+WATCH_INTERVAL_S = 0.25
+#: Seconds between losing the engine and exiting: open streams receive vLLM's own error event.
+EXIT_DELAY_S = 1.0
+ENGINE_LOST = ("The engine stopped; this server is restarting. Retry on another replica or "
+               "in a moment.")
 
 
 class Phase(str, enum.Enum):
@@ -141,7 +148,7 @@ class Gateway:
             await _closed(scope, receive, send)
             return
         inner = self.state.openai_app
-        if inner is None or self.state.phase is not Phase.READY:
+        if inner is None or self.state.phase is not Phase.READY or not self.state.engine_alive():
             if scope["type"] == "http":
                 await self._unavailable()(scope, receive, send)
             return
@@ -164,9 +171,12 @@ class Gateway:
 
     def _unavailable(self) -> Response:
         phase = self.state.phase
-        message = ("The server is shutting down; retry on another replica or in a moment."
-                   if phase is Phase.DRAINING else
-                   f"The server is {phase.value}; the model is not ready to serve yet.")
+        if phase is Phase.DRAINING:
+            message = "The server is shutting down; retry on another replica or in a moment."
+        elif phase is Phase.FAILED or not self.state.engine_alive():
+            message = ENGINE_LOST
+        else:
+            message = f"The server is {phase.value}; the model is not ready to serve yet."
         return openai_error(503, message, type_="service_unavailable",
                             headers={"Retry-After": str(BOOT_RETRY_AFTER_S)})
 
@@ -182,7 +192,8 @@ class Gateway:
         self.state.phase = Phase.DRAINING
         self.metrics.ready.set(0)
         limiter = self.admission.limiter
-        refused = limiter.reject_waiting(BOOT_RETRY_AFTER_S)
+        refused = limiter.reject_waiting(BOOT_RETRY_AFTER_S, "The server is shutting down; "
+                                         "retry on another replica or in a moment.")
         log.info("SIGTERM: draining; %d running get %g s, %d queued refused",
                  limiter.in_flight, timeout_s, refused)
         deadline = time.monotonic() + timeout_s
@@ -255,9 +266,46 @@ class Gateway:
         return [
             lambda inner: BodyLimitMiddleware(inner, self.settings.max_request_bytes),
             self.intake.wrap,  # validation, images, prompt length, request ids
-            self.admission.wrap,  # the live max_num_seqs, goodput accounting
+            # the live max_num_seqs, goodput accounting
+            lambda inner: self.admission.wrap(inner, self.state.engine_alive),
             StreamGuardMiddleware,  # one error event, never a silent cut
         ]
+
+    async def watch_engine(self) -> None:
+        """Until the engine is lost: every :data:`WATCH_INTERVAL_S`, check that it lives
+        (``AsyncLLM.errored``) and that it ran a step within ``engine_stall_timeout_s`` while
+        requests were in it (``serve.admission.engine_stats.stalled_s``)."""
+        feed, slots = self.admission.feed, self.admission.limiter.slots
+        while self.state.phase is Phase.READY:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if not self.state.engine_alive():
+                await self.engine_lost("the engine process died")
+                return
+            stalled = stalled_s(time.monotonic(), feed.last_step_s, slots.busy_since)
+            if stalled > self.settings.engine_stall_timeout_s:
+                await self.engine_lost(f"the engine ran no step for {stalled:.0f} s with "
+                                       "requests in it (frozen)")
+                return
+
+    async def engine_lost(self, reason: str) -> None:
+        """The engine died or froze: ``/health`` 503 (phase ``failed``), waiting and new
+        requests 503 + ``Retry-After``, open ones ended (one error event or a 503) after
+        :data:`EXIT_DELAY_S`, then the process exits 1 so that its supervisor (Kubernetes,
+        compose ``restart``) starts a fresh one: a vLLM engine does not come back in place."""
+        if self.state.phase is not Phase.READY:
+            return
+        self.state.phase, self.state.error = Phase.FAILED, reason
+        self.metrics.ready.set(0)
+        log.error("%s: refusing requests, then exiting for a restart", reason)
+        refused = self.admission.limiter.reject_waiting(BOOT_RETRY_AFTER_S, ENGINE_LOST)
+        await asyncio.sleep(EXIT_DELAY_S)
+        cut = 0
+        if self.admission.middleware is not None:
+            cut = await self.admission.middleware.cut_open(ENGINE_LOST, BOOT_RETRY_AFTER_S)
+        log.error("engine lost: %d queued refused, %d open requests ended; exiting", refused,
+                  cut)
+        if self._on_fatal:
+            self._on_fatal()
 
     # --- life cycle -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -309,6 +357,9 @@ class Gateway:
             return
         self.state.ready_after_s = time.monotonic() - self.state.started_at
         self.state.phase = Phase.READY
+        watch = asyncio.create_task(self.watch_engine(), name="engine-watch")
+        watch.add_done_callback(_log_failure)
+        self._exit_stack.callback(watch.cancel)
         self.metrics.ready.set(1)
         log.info("engine config: %s", json.dumps(engine_mod.engine_config_summary(engine)))
         log.info("ready in %.1f s: model %r at http://%s:%d/v1", self.state.ready_after_s,

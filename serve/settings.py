@@ -177,6 +177,13 @@ class Settings(BaseSettings):
         "terminationGracePeriodSeconds and compose's stop_grace_period must exceed it "
         "(deploy/ does: drain + 15 s).",
     )
+    engine_stall_timeout_s: float = Field(
+        60.0, gt=0,
+        description="An engine that runs no step for this many seconds while requests are in "
+        "it is frozen: /health turns 503, waiting and new requests get 503 + Retry-After, "
+        "open ones are ended, and the process exits 1 for its supervisor to restart it (as "
+        "after an engine death). Above the longest legitimate step (a large image prefill).",
+    )
     max_header_bytes: int = Field(
         64 * 2**10, ge=4096,
         description="Largest request head (request line and headers), bytes; larger is 431. "

@@ -16,6 +16,7 @@ from bench.process import (  # noqa: F401 - re-exported: the tests' one import p
     ManagedServer,
     ensure_tiny_model,
     free_port,
+    start_process,
     start_serve,
     stop_group,
     stop_process,
@@ -74,9 +75,6 @@ class Server(ManagedServer):
 
         return await asyncio.to_thread(self.metric, name, labels)
 
-    def log_tail(self, n: int = 60) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
 
 
 def start_server(extra_args: list[str] | None = None, env: dict[str, str] | None = None,

@@ -62,6 +62,14 @@ class SlidingWindow:
         return percentile([v for _, v in self._samples], q)
 
 
+def stalled_s(now: float, last_step_s: float | None, busy_since_s: float | None) -> float:
+    """Seconds the engine has held requests without running a step: since the later of its
+    last step and the moment work arrived (0 when it holds none)."""
+    if busy_since_s is None:
+        return 0.0
+    return now - max(busy_since_s, last_step_s or busy_since_s)
+
+
 @dataclass
 class EngineStatsFeed:
     """What the last engine steps reported (written by the stat logger, read by the loop)."""
@@ -72,6 +80,8 @@ class EngineStatsFeed:
     waiting: int = 0
     kv_cache_usage: float = 0.0
     preemptions_total: int = 0
+    #: Clock time of the last engine step reported (None: none yet).
+    last_step_s: float | None = None
     ttft: SlidingWindow = field(init=False)
     itl: SlidingWindow = field(init=False)
 
@@ -81,6 +91,7 @@ class EngineStatsFeed:
 
     def record(self, scheduler_stats, iteration_stats) -> None:
         """Absorb one engine step (vLLM ``SchedulerStats`` / ``IterationStats`` or None)."""
+        self.last_step_s = self.clock()
         if scheduler_stats is not None:
             self.running = scheduler_stats.num_running_reqs
             self.waiting = scheduler_stats.num_waiting_reqs

@@ -32,8 +32,9 @@ QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
 SLO = "slo"
 REJECT_REASONS = (QUEUE_FULL, QUEUE_TIMEOUT, SLO)
-#: Reason of the queued requests refused when the server drains (HTTP 503, not 429).
-DRAINING = "draining"
+#: Reason of the queued requests refused when the server drains or loses its engine (HTTP 503,
+#: not 429).
+UNAVAILABLE = "unavailable"
 
 
 class Rejected(Exception):
@@ -183,6 +184,11 @@ class SlotCounter:
         if self.on_free is not None:
             self.on_free()
 
+    @property
+    def busy_since(self) -> float | None:
+        """Clock time since which requests have been in flight without a break (None: idle)."""
+        return self._busy_since
+
     def busy_s(self) -> float:
         """Seconds so far during which at least one request was in flight."""
         if self._busy_since is None:
@@ -258,7 +264,8 @@ class AdmissionLimiter:
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
-        self._closed = False  # draining: queue no one
+        self._closed = False  # draining or engine lost: queue no one
+        self._closed_message = ""
 
     # --- state (the counter's, and the queue's) ---------------------------------------------
     @property
@@ -327,7 +334,7 @@ class AdmissionLimiter:
         """
         start = self._clock()
         if self._closed:
-            raise Rejected(DRAINING, 1, "The server is shutting down.")
+            raise Rejected(UNAVAILABLE, 1, self._closed_message)
         if self.slots.has_room() and not self.pending:
             return self.slots.take(start)
         if self.pending >= self.max_queue:
@@ -361,17 +368,16 @@ class AdmissionLimiter:
         slot.queue_wait_s = slot.admitted_at - start
         return slot
 
-    def reject_waiting(self, retry_after_s: int) -> int:
-        """Refuse every queued request (reason ``draining``) and admit no one after: the
-        server is shutting down. Returns how many were refused."""
+    def reject_waiting(self, retry_after_s: int, message: str) -> int:
+        """Refuse every queued request (reason ``unavailable``, ``message``) and queue no one
+        after: the server is shutting down or lost its engine. Returns how many were refused."""
         self._closed = True
+        self._closed_message = message
         refused = 0
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
-                fut.set_exception(Rejected(DRAINING, retry_after_s,
-                                           "The server is shutting down; retry on another "
-                                           "replica or in a moment."))
+                fut.set_exception(Rejected(UNAVAILABLE, retry_after_s, message))
                 refused += 1
         return refused
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.admission.goodput import SloTargets, non_streamed_good, streamed_good
-from serve.admission.limiter import DRAINING, AdmissionLimiter, Rejected
+from serve.admission.limiter import UNAVAILABLE, AdmissionLimiter, Rejected
 from serve.asgi import IMAGES_SCOPE_KEY, REQUEST_STATE_KEY, ClientGone, read_body, replay
 from serve.errors import error_body, openai_error
 from serve.metrics import Metrics
@@ -163,11 +163,16 @@ class AdmissionMiddleware:
         metrics: where arrivals, refusals, queue waits, finishes, aborts, goodput and TTFT
             are counted.
         clock: monotonic clock, seconds.
+        engine_alive: checked when a slot is granted; False: the request gets 503 instead of
+            reaching a dead engine (a queued request can be granted the slot of one the dying
+            engine just failed, before the gateway's watch notices).
     """
 
     def __init__(self, app: ASGIApp, limiter: AdmissionLimiter, slo: SloTargets,
-                 metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: Metrics, clock: Callable[[], float] = time.monotonic,
+                 engine_alive: Callable[[], bool] | None = None) -> None:
         self.app = app
+        self.engine_alive = engine_alive
         self.limiter = limiter
         self.slo = slo
         self.metrics = metrics
@@ -201,7 +206,7 @@ class AdmissionMiddleware:
             return
         except Rejected as rej:
             headers = {"Retry-After": str(rej.retry_after_s), "X-Phi3v-Reject-Reason": rej.reason}
-            if rej.reason == DRAINING:  # shutting down: not a rate limit
+            if rej.reason == UNAVAILABLE:  # shutting down or engine lost: not a rate limit
                 response = openai_error(503, str(rej), type_="service_unavailable",
                                         headers=headers)
             else:
@@ -212,6 +217,12 @@ class AdmissionMiddleware:
             await response(scope, receive, send)
             return
         metrics.queue_wait.observe(slot.queue_wait_s)
+        if self.engine_alive is not None and not self.engine_alive():
+            slot.release(completed=False)
+            await openai_error(503, "The engine stopped; this server is restarting. Retry on "
+                               "another replica or in a moment.", type_="service_unavailable",
+                               headers={"Retry-After": "5"})(scope, receive, send)
+            return
         sse = dialect(scope.get("path"))
         tracker = ResponseTracker(arrival, self.clock, sse=sse)
         handle = OpenRequest(send, sse)

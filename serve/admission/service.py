@@ -88,8 +88,9 @@ class Admission:
         """vLLM stat logger factories feeding :attr:`feed` (imports vLLM)."""
         return [stat_logger_factory(self.feed)]
 
-    def wrap(self, app) -> AdmissionMiddleware:
+    def wrap(self, app, engine_alive=None) -> AdmissionMiddleware:
         """``app`` behind admission control (kept as :attr:`middleware`: the drain cuts its
-        open requests)."""
-        self.middleware = AdmissionMiddleware(app, self.limiter, self.slo, self.metrics)
+        open requests); ``engine_alive`` as :class:`AdmissionMiddleware`'s."""
+        self.middleware = AdmissionMiddleware(app, self.limiter, self.slo, self.metrics,
+                                              engine_alive=engine_alive)
         return self.middleware

@@ -72,7 +72,8 @@ vLLM's ``mm_processor_kwargs={"num_crops": K}`` overrides it."""
 HEAD_DIM_FULL = 3072 // 32
 PLACEHOLDER_SHORT_FACTOR = [1.0] * (HEAD_DIM_FULL // 2)
 """Placeholder LongRoPE short factors (48 x 1.0): the real values are not available offline."""
-PLACEHOLDER_LONG_FACTOR = [round(32.0 ** (i / (HEAD_DIM_FULL // 2 - 1)), 6) for i in range(HEAD_DIM_FULL // 2)]
+PLACEHOLDER_LONG_FACTOR = [round(32.0 ** (i / (HEAD_DIM_FULL // 2 - 1)), 6)
+                           for i in range(HEAD_DIM_FULL // 2)]
 """Placeholder LongRoPE long factors: a smooth geometric ramp 1.0 -> 32.0 (= 131072 / 4096)
 over the 48 rotary frequency pairs. Shape-correct, not the trained values."""
 
@@ -311,7 +312,9 @@ def random_weights(config: dict, seed: int = 0) -> dict:
 def _source_digest() -> str:
     """Hash of the builder's own sources: a stamp from older code never matches."""
     h = hashlib.sha256()
-    for path in [Path(__file__), Path(tok.__file__), *(REMOTE_CODE_DIR / f for f in REMOTE_CODE_FILES)]:
+    sources = [Path(__file__), Path(tok.__file__),
+               *(REMOTE_CODE_DIR / f for f in REMOTE_CODE_FILES)]
+    for path in sources:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -396,7 +399,8 @@ def build(size: str, out: str | Path, seed: int = 0, force: bool = False,
         if size == "tiny":
             from safetensors.torch import save_file
 
-            save_file(random_weights(config, seed), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            save_file(random_weights(config, seed), str(tmp / WEIGHTS_FILE),
+                      metadata={"format": "pt"})
 
     if _write_model_dir(out, stamp, config, num_crops, force, add_weights):
         log.info("built %s model at %s", size, out)
@@ -501,15 +505,20 @@ def prepare_real(weights_dir: str | Path, out_dir: str | Path, force: bool = Fal
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit status (2 on missing weights)."""
-    parser = argparse.ArgumentParser(prog="python -m serve.models.build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m serve.models.build",
+                                     description=__doc__.split("\n\n")[0])
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--size", choices=sorted(SIZES), help="build the tiny (random weights) or full (config-only) model")
-    what.add_argument("--real-from", metavar="DIR", help="prepare the downloaded real checkpoint in DIR")
+    what.add_argument("--size", choices=sorted(SIZES),
+                      help="build the tiny (random weights) or full (config-only) model")
+    what.add_argument("--real-from", metavar="DIR",
+                      help="prepare the downloaded real checkpoint in DIR")
     parser.add_argument("--out", required=True, help="output model directory")
     parser.add_argument("--seed", type=int, default=0, help="random-weight seed (tiny; default 0)")
     parser.add_argument("--num-crops", type=int, default=DEFAULT_NUM_CROPS,
-                        help=f"default num_crops in preprocessor_config.json (default {DEFAULT_NUM_CROPS})")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the directory is up to date")
+                        help="default num_crops in preprocessor_config.json "
+                        f"(default {DEFAULT_NUM_CROPS})")
+    parser.add_argument("--force", action="store_true",
+                        help="rebuild even if the directory is up to date")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.monotonic()
@@ -517,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.real_from:
             out = prepare_real(args.real_from, args.out, force=args.force, num_crops=args.num_crops)
         else:
-            out = build(args.size, args.out, seed=args.seed, force=args.force, num_crops=args.num_crops)
+            out = build(args.size, args.out, seed=args.seed, force=args.force,
+                        num_crops=args.num_crops)
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

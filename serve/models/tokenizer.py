@@ -176,7 +176,8 @@ def build_tokenizer() -> Tokenizer:
     tok.post_processor = None  # no automatic BOS/EOS
 
     def special(content: str) -> AddedToken:
-        return AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
+        return AddedToken(content, single_word=False, lstrip=False, rstrip=False,
+                          normalized=False, special=True)
 
     tok.add_special_tokens([special(UNK), special(BOS), special(EOS_SP)])
     tok.add_special_tokens([special(content) for _, content in PHI3_ADDED_TOKENS])
@@ -242,6 +243,7 @@ def save_tokenizer(out_dir: str | Path, model_max_length: int = 131072) -> list[
     out = Path(out_dir)
     paths = [out / "tokenizer.json", out / "tokenizer_config.json", out / "special_tokens_map.json"]
     build_tokenizer().save(str(paths[0]), pretty=False)
-    paths[1].write_text(json.dumps(tokenizer_config(model_max_length), indent=2, ensure_ascii=False) + "\n")
+    config = json.dumps(tokenizer_config(model_max_length), indent=2, ensure_ascii=False)
+    paths[1].write_text(config + "\n")
     paths[2].write_text(json.dumps(special_tokens_map(), indent=2) + "\n")
     return paths

@@ -15,10 +15,9 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers import ARTIFACTS, ROOT, free_port, stop_group, wait_until_up
+from tests.helpers import ARTIFACTS, ROOT, ManagedServer, free_port, start_process, stop_group
 
 UI_DIR = ROOT / "ui"
 UI_VENV = UI_DIR / ".venv"
@@ -50,16 +49,8 @@ def ensure_ui_venv() -> Path:
     return UI_PY
 
 
-@dataclass
-class UIProcess:
-    """A running ``python -m ui``."""
-
-    url: str
-    proc: subprocess.Popen
-    log_path: Path
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+class UIProcess(ManagedServer):
+    """A running ``python -m ui`` (``url``: its address)."""
 
 
 def start_ui(api_base_url: str, data_dir: Path, env: dict[str, str] | None = None) -> UIProcess:
@@ -67,27 +58,16 @@ def start_ui(api_base_url: str, data_dir: Path, env: dict[str, str] | None = Non
     auth secret under ``data_dir``; wait until it answers."""
     python = ensure_ui_venv()
     port = free_port()
-    ARTIFACTS.mkdir(exist_ok=True)
-    log_path = ARTIFACTS / "ui.log"
     ui_env = {
-        **os.environ,
         "PHI3V_UI_DATABASE_URL": f"sqlite+aiosqlite:///{data_dir / 'chat.db'}",
         "PHI3V_UI_STORAGE_DIR": str(data_dir / "files"),
         "PHI3V_UI_AUTH_SECRET_FILE": str(data_dir / "auth_secret"),
         **(env or {}),
     }
-    ui_env.pop("CHAINLIT_AUTH_SECRET", None)
-    proc = subprocess.Popen(
-        [str(python), "-m", "ui", "--port", str(port), "--api-base-url", api_base_url],
-        cwd=ROOT, env=ui_env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-        start_new_session=True)
-    ui = UIProcess(f"http://127.0.0.1:{port}", proc, log_path)
-    try:
-        wait_until_up(proc, f"{ui.url}/health", UI_READY_TIMEOUT_S, ui.log_tail)
-    except TimeoutError:
-        stop_ui(ui)
-        raise
-    return ui
+    cmd = [str(python), "-m", "ui", "--port", str(port), "--api-base-url", api_base_url]
+    return start_process(cmd, port, ARTIFACTS / "ui.log", "/health", env=ui_env,
+                         ready_timeout_s=UI_READY_TIMEOUT_S, server_cls=UIProcess,
+                         unset=("CHAINLIT_AUTH_SECRET",))
 
 
 def stop_ui(ui: UIProcess) -> None:

@@ -1,13 +1,16 @@
-"""Life cycle on the real tiny engine: SIGTERM drains (``serve.lifecycle``, ``Gateway.drain``)."""
+"""Life cycle on the real tiny engine: SIGTERM drains (``serve.lifecycle``, ``Gateway.drain``);
+a killed or frozen engine (``Gateway.watch_engine``) is refused and restarted."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 
 import httpx
+import psutil
 
 from serve.sse import DONE, data_event
 from tests.helpers import start_server, stop_server
@@ -106,3 +109,54 @@ def test_a_quiet_server_stops_at_once_on_sigterm():
         assert "drained: no request running" in srv.log_tail(200)
     finally:
         stop_server(srv)
+
+
+def engine_core(srv) -> psutil.Process:
+    """The server's engine process, found by its title (vLLM names it ``VLLM::EngineCore``)."""
+    children = psutil.Process(srv.proc.pid).children(recursive=True)
+    return next(p for p in children if p.name().startswith("VLLM::Engine"))
+
+
+async def _lose_the_engine(how: str, extra: list[str]) -> None:
+    srv = start_server(["--autotune", "static", "--admission-limit", "1", "--engine-queue", "0",
+                        *extra], name=f"engine-{how}")
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            running = asyncio.create_task(stream(client, srv, 4000))
+            await asyncio.sleep(1.0)
+            queued = asyncio.create_task(client.post(f"{srv.base_url}/v1/chat/completions",
+                                                     json=chat(srv.model, 8, False)))
+            await asyncio.sleep(0.5)
+            core = engine_core(srv)
+            os.kill(core.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+            t0 = time.monotonic()
+            refused = await queued  # refused, not 500, not hanging
+            assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+            assert refused.json()["error"]["type"] == "service_unavailable"
+            cut = await running  # exactly one error event, no [DONE]
+            assert cut["errors"] == 1 and not cut["done"], cut
+            try:
+                health = await client.get(f"{srv.base_url}/health")
+                new = await client.post(f"{srv.base_url}/v1/chat/completions",
+                                        json=chat(srv.model, 8, False))
+                assert health.status_code == 503
+                assert new.status_code == 503 and new.headers["retry-after"]
+            except httpx.TransportError:
+                pass  # already gone: the process exits right after
+        code = srv.proc.wait(30)
+        assert code != 0, srv.log_tail()  # for the supervisor to restart it
+        assert time.monotonic() - t0 < 25
+        assert "engine lost" in srv.log_tail(200)
+    finally:
+        if how == "frozen":
+            with contextlib.suppress(psutil.Error):
+                core.resume()
+        stop_server(srv)
+
+
+async def test_a_killed_engine_refuses_work_and_exits_nonzero():
+    await _lose_the_engine("killed", [])
+
+
+async def test_a_frozen_engine_is_detected_refuses_work_and_exits_nonzero():
+    await _lose_the_engine("frozen", ["--engine-stall-timeout-s", "3"])

@@ -5,10 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
-import signal
-import subprocess
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -17,7 +14,14 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import ARTIFACTS, data_url, free_port
+from tests.helpers import (
+    ARTIFACTS,
+    ManagedServer,
+    data_url,
+    free_port,
+    start_process,
+    stop_process,
+)
 from tests.unit.test_monitoring import (  # shared with the file checks of the unit tier
     DASHBOARDS,
     GRAFANA_BUILTINS,
@@ -34,13 +38,8 @@ from tests.unit.test_monitoring import (  # shared with the file checks of the u
 
 
 # --- end to end: a real Prometheus on the live stack --------------------------------------------
-class Prometheus:
-    """A ``prometheus`` server started for this module."""
-
-    def __init__(self, url: str, proc: subprocess.Popen, log_path: Path) -> None:
-        self.url = url
-        self.proc = proc
-        self.log_path = log_path
+class Prometheus(ManagedServer):
+    """A ``prometheus`` server started for this module (``bench.process``)."""
 
     def get(self, path: str, **params) -> dict:
         r = httpx.get(f"{self.url}{path}", params=params, timeout=30)
@@ -79,34 +78,15 @@ def prometheus(server, tmp_path_factory):
     config = tmp / "prometheus.yml"
     config.write_text(yaml.safe_dump(_test_config(urlparse(server.base_url).netloc)))
     port = free_port()
-    ARTIFACTS.mkdir(exist_ok=True)
-    log_path = ARTIFACTS / "prometheus.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    prom = Prometheus(f"http://127.0.0.1:{port}", proc, log_path)
+    prom = start_process(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
+        port, ARTIFACTS / "prometheus.log", "/-/ready", ready_timeout_s=30,
+        server_cls=Prometheus)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"prometheus exited:\n{log_path.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{prom.url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "prometheus not ready in 30 s"
-            time.sleep(0.2)
         yield prom
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(prom, 15)
 
 
 def _wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.5,

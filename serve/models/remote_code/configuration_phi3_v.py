@@ -85,7 +85,8 @@ class Phi3VConfig(PretrainedConfig):
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.num_key_value_heads = (num_attention_heads if num_key_value_heads is None
+                                    else num_key_value_heads)
         self.resid_pdrop = resid_pdrop
         self.embd_pdrop = embd_pdrop
         self.attention_dropout = attention_dropout

@@ -259,7 +259,8 @@ class Phi3VImageProcessor(BaseImageProcessor):
         )
         crops = torch.cat([global_view, tiles], dim=0)
         if crops.shape[0] < num_crops + 1:
-            pad = torch.zeros(num_crops + 1 - crops.shape[0], 3, CROP_SIZE, CROP_SIZE, dtype=crops.dtype)
+            pad = torch.zeros(num_crops + 1 - crops.shape[0], 3, CROP_SIZE, CROP_SIZE,
+                              dtype=crops.dtype)
             crops = torch.cat([crops, pad], dim=0)
         return crops.contiguous(), (height, width)
 
@@ -290,7 +291,8 @@ class Phi3VImageProcessor(BaseImageProcessor):
             TypeError: for an input that is not an image.
         """
         k = int(self.num_crops if num_crops is None else num_crops)
-        mean = torch.tensor(self.image_mean if image_mean is None else image_mean, dtype=torch.float32)
+        mean = torch.tensor(self.image_mean if image_mean is None else image_mean,
+                            dtype=torch.float32)
         std = torch.tensor(self.image_std if image_std is None else image_std, dtype=torch.float32)
         convert = self.do_convert_rgb if do_convert_rgb is None else do_convert_rgb
         if not isinstance(images, (list, tuple)):
@@ -303,9 +305,11 @@ class Phi3VImageProcessor(BaseImageProcessor):
             crops.append(c)
             sizes.append(list(hw))
         data = {
-            "pixel_values": torch.stack(crops) if crops else torch.zeros(0, k + 1, 3, CROP_SIZE, CROP_SIZE),
+            "pixel_values": (torch.stack(crops) if crops
+                             else torch.zeros(0, k + 1, 3, CROP_SIZE, CROP_SIZE)),
             "image_sizes": torch.tensor(sizes, dtype=torch.long).reshape(-1, 2),
-            "num_img_tokens": torch.tensor([num_image_tokens(w, h) for h, w in sizes], dtype=torch.long),
+            "num_img_tokens": torch.tensor([num_image_tokens(w, h) for h, w in sizes],
+                                           dtype=torch.long),
         }
         return BatchFeature(data=data, tensor_type=return_tensors)
 
