@@ -38,7 +38,8 @@ def test_k8s_api_probes_ports_env_and_metrics():
     (c,) = pod["containers"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    # A hung load must fail the startup probe: /health is 200 while the engine boots.
+    assert c["startupProbe"]["httpGet"]["path"] == "/ready"
     env = {e["name"]: e.get("value") for e in c["env"]}
     env_names("PHI3V_", set(Settings.model_fields), env)
     assert int(env["PHI3V_PORT"]) == c["ports"][0]["containerPort"]
@@ -102,8 +103,11 @@ def test_grace_periods_derive_from_the_drain_timeout():
     terminationGracePeriodSeconds and compose's stop_grace_period are drain + margin."""
     drain = Settings().drain_timeout_s
     api = next(d for d in load_all(DEPLOY / "k8s" / "api.yaml") if d["kind"] == "Deployment")
-    assert api["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == \
-        drain + STOP_MARGIN_S
+    pod = api["spec"]["template"]["spec"]
+    # Kubernetes counts the preStop hook inside the grace period.
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    pre_stop_s = float(pre_stop[1]) if pre_stop[0] == "sleep" else 0.0
+    assert pod["terminationGracePeriodSeconds"] == pre_stop_s + drain + STOP_MARGIN_S
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     grace = compose["services"]["api"]["stop_grace_period"]
     assert grace == f"{drain + STOP_MARGIN_S:g}s", grace
