@@ -46,7 +46,7 @@ from serve.admission.engine_stats import stalled_s
 from serve.admission.service import Admission
 from serve.asgi import REQUEST_STATE_KEY, BodyLimitMiddleware
 from serve.auth import ApiKeys, unauthorized
-from serve.errors import openai_error
+from serve.errors import ENGINE_LOST, RETRY_AFTER_S, SHUTTING_DOWN, openai_error
 from serve.intake.service import Intake
 from serve.metrics import Metrics
 from serve.routes import CLOSED, OPTIONAL, RouteTable
@@ -55,14 +55,10 @@ from serve.streamguard import StreamGuardMiddleware
 
 log = logging.getLogger("serve.app")
 
-#: Seconds a client should wait before retrying while the engine boots.
-BOOT_RETRY_AFTER_S = 5
 #: Seconds between two checks of the engine (death, freeze).
 WATCH_INTERVAL_S = 0.25
 #: Seconds between losing the engine and exiting: open streams receive vLLM's own error event.
 EXIT_DELAY_S = 1.0
-ENGINE_LOST = ("The engine stopped; this server is restarting. Retry on another replica or "
-               "in a moment.")
 
 
 class Phase(str, enum.Enum):
@@ -172,13 +168,13 @@ class Gateway:
     def _unavailable(self) -> Response:
         phase = self.state.phase
         if phase is Phase.DRAINING:
-            message = "The server is shutting down; retry on another replica or in a moment."
+            message = SHUTTING_DOWN
         elif phase is Phase.FAILED or not self.state.engine_alive():
             message = ENGINE_LOST
         else:
             message = f"The server is {phase.value}; the model is not ready to serve yet."
         return openai_error(503, message, type_="service_unavailable",
-                            headers={"Retry-After": str(BOOT_RETRY_AFTER_S)})
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking work and let running requests finish (SIGTERM, ``serve.lifecycle``).
@@ -192,8 +188,7 @@ class Gateway:
         self.state.phase = Phase.DRAINING
         self.metrics.ready.set(0)
         limiter = self.admission.limiter
-        refused = limiter.reject_waiting(BOOT_RETRY_AFTER_S, "The server is shutting down; "
-                                         "retry on another replica or in a moment.")
+        refused = limiter.reject_waiting(RETRY_AFTER_S, SHUTTING_DOWN)
         log.info("SIGTERM: draining; %d running get %g s, %d queued refused",
                  limiter.in_flight, timeout_s, refused)
         deadline = time.monotonic() + timeout_s
@@ -202,7 +197,7 @@ class Gateway:
         middleware = self.admission.middleware
         if limiter.in_flight and middleware is not None:
             cut = await middleware.cut_open("The server is shutting down (drain timeout); "
-                                            "retry on another replica.", BOOT_RETRY_AFTER_S)
+                                            "retry on another replica.", RETRY_AFTER_S)
             log.warning("drain timeout after %g s: %d requests cut", timeout_s, cut)
         else:
             log.info("drained: no request running")
@@ -221,7 +216,7 @@ class Gateway:
         ok = self.state.phase is Phase.READY and self.state.engine_alive()
         body = {"status": "ready" if ok else "not ready", "phase": self.state.phase.value,
                 "model": self.settings.model_name}
-        headers = None if ok else {"Retry-After": str(BOOT_RETRY_AFTER_S)}
+        headers = None if ok else {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
     async def metrics_page(self, request: Request) -> Response:
@@ -297,11 +292,11 @@ class Gateway:
         self.state.phase, self.state.error = Phase.FAILED, reason
         self.metrics.ready.set(0)
         log.error("%s: refusing requests, then exiting for a restart", reason)
-        refused = self.admission.limiter.reject_waiting(BOOT_RETRY_AFTER_S, ENGINE_LOST)
+        refused = self.admission.limiter.reject_waiting(RETRY_AFTER_S, ENGINE_LOST)
         await asyncio.sleep(EXIT_DELAY_S)
         cut = 0
         if self.admission.middleware is not None:
-            cut = await self.admission.middleware.cut_open(ENGINE_LOST, BOOT_RETRY_AFTER_S)
+            cut = await self.admission.middleware.cut_open(ENGINE_LOST, RETRY_AFTER_S)
         log.error("engine lost: %d queued refused, %d open requests ended; exiting", refused,
                   cut)
         if self._on_fatal:

@@ -13,6 +13,13 @@ OpenAI's class (``invalid_request_error``, ``rate_limit_exceeded``, ``server_err
 
 from __future__ import annotations
 
+#: Seconds a client should wait before retrying a 503 (booting, draining, engine lost).
+RETRY_AFTER_S = 5
+#: 503 messages of the server's life cycle (``serve.app``; the admission layer uses them too).
+SHUTTING_DOWN = "The server is shutting down; retry on another replica or in a moment."
+ENGINE_LOST = ("The engine stopped; this server is restarting. Retry on another replica or "
+               "in a moment.")
+
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
     """The JSON body of an OpenAI-style error (``code`` is the HTTP status)."""

@@ -59,6 +59,12 @@ class SseDialect:
         return b"event: error\ndata: " + json.dumps(data).encode() + b"\n\n"
 
 
+def is_event_stream(start: dict) -> bool:
+    """Whether an ASGI ``http.response.start`` message starts an SSE (``text/event-stream``)
+    answer."""
+    return b"text/event-stream" in dict(start.get("headers") or []).get(b"content-type", b"")
+
+
 def _holds(data: bytes, prefixes: tuple[bytes, ...]) -> bool:
     """Whether an event of ``data`` starts with one of ``prefixes``."""
     return any(data.startswith(m) or b"\n" + m in data for m in prefixes)

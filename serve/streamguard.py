@@ -28,7 +28,7 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.sse import SseDialect, dialect
+from serve.sse import SseDialect, dialect, is_event_stream
 
 log = logging.getLogger("serve.streamguard")
 
@@ -166,8 +166,7 @@ class StreamGuardMiddleware:
         async def guarded(message: Message) -> None:
             nonlocal stream, finished
             if message["type"] == "http.response.start":
-                headers = dict(message.get("headers") or [])
-                if b"text/event-stream" in headers.get(b"content-type", b""):
+                if is_event_stream(message):
                     message = {**message, "headers": no_buffering(message.get("headers") or [])}
                     if message.get("status") == 200:
                         stream = _Stream(send, dialect(scope.get("path")))

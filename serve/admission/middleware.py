@@ -24,15 +24,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve.admission.goodput import SloTargets, non_streamed_good, streamed_good
 from serve.admission.limiter import UNAVAILABLE, AdmissionLimiter, Rejected
 from serve.asgi import IMAGES_SCOPE_KEY, REQUEST_STATE_KEY, ClientGone, read_body, replay
-from serve.errors import error_body, openai_error
+from serve.errors import ENGINE_LOST, RETRY_AFTER_S, error_body, openai_error
 from serve.metrics import Metrics
 from serve.routes import GENERATION_ROUTES
-from serve.sse import CHAT_SSE, SseDialect, dialect
+from serve.sse import CHAT_SSE, SseDialect, dialect, is_event_stream
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the middleware keeps the open ones in a set
 class ResponseTracker:
-    """Watches one response's ASGI messages: status, chunk times, completion."""
+    """Watches one response's ASGI messages: status, chunk times, completion; and can end
+    the answer early (:meth:`cut`)."""
 
     arrival: float
     clock: Callable[[], float]
@@ -45,6 +46,9 @@ class ResponseTracker:
     body: bytearray = field(default_factory=bytearray)
     #: The route's SSE dialect: what marks a streamed answer's normal end.
     sse: SseDialect = CHAT_SSE
+    #: The server ended the answer early (:meth:`cut`); what the app sends after is dropped.
+    is_cut: bool = False
+    _client_send: Send | None = field(default=None, repr=False)
 
     def watch(self, receive: Receive, request_state: dict | None = None) -> Receive:
         """``receive`` that notes a client disconnect seen before the answer was sent in full
@@ -60,11 +64,15 @@ class ResponseTracker:
         return watched
 
     def wrap(self, send: Send) -> Send:
+        """``send`` that records the answer as it goes to the client (until :meth:`cut`)."""
+        self._client_send = send
+
         async def tracked(message: Message) -> None:
+            if self.is_cut:
+                return
             if message["type"] == "http.response.start":
                 self.status = message["status"]
-                headers = dict(message.get("headers") or [])
-                self.streaming = b"text/event-stream" in headers.get(b"content-type", b"")
+                self.streaming = is_event_stream(message)
             elif message["type"] == "http.response.body":
                 chunk = message.get("body", b"")
                 if chunk:
@@ -83,9 +91,29 @@ class ResponseTracker:
     def completed(self) -> bool:
         """The whole answer reached the client with HTTP 200 (a client that left before the
         end did not get it, whatever was sent after)."""
-        if self.status != 200 or not self.finished or self.client_left:
+        if self.status != 200 or not self.finished or self.client_left or self.is_cut:
             return False
         return self.done_marker if self.streaming else True
+
+    async def cut(self, message: str, retry_after_s: int) -> None:
+        """End the answer now (the server drains or lost its engine): one error event of the
+        dialect (a started stream), a 503 with ``Retry-After`` (not started), or the end of
+        the body (a started non-streamed answer). The request is not counted as finished."""
+        if self.finished or self.is_cut or self._client_send is None:
+            return
+        self.is_cut = True
+        send = self._client_send
+        if self.status is None:
+            body = json.dumps(error_body(503, message, "service_unavailable")).encode()
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"),
+                (b"retry-after", str(retry_after_s).encode())]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        elif self.streaming:
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": self.sse.error_event(message)})
+        else:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def ttft_s(self) -> float | None:
         return self.chunk_times[0] - self.arrival if self.chunk_times else None
@@ -109,48 +137,6 @@ class ResponseTracker:
             return streamed_good(self.ttft_s(), self.mean_itl_s(), slo)
         e2e = self.chunk_times[-1] - self.arrival if self.chunk_times else None
         return non_streamed_good(e2e, self.completion_tokens() or 1, slo)
-
-
-class OpenRequest:
-    """The way back to one admitted request's client, which the server can end early.
-
-    Messages from the app pass through :meth:`forward` until :meth:`cut`; after it, they are
-    dropped (the engine request is aborted when the server stops)."""
-
-    def __init__(self, send: Send, sse: SseDialect) -> None:
-        self.send = send
-        self.sse = sse
-        self.started = self.streaming = self.done = self.is_cut = False
-
-    async def forward(self, message: Message) -> None:
-        if self.is_cut:
-            return
-        if message["type"] == "http.response.start":
-            self.started = True
-            headers = dict(message.get("headers") or [])
-            self.streaming = b"text/event-stream" in headers.get(b"content-type", b"")
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            self.done = True
-        await self.send(message)
-
-    async def cut(self, message: str, retry_after_s: int) -> None:
-        """End the answer now: one error event (a started stream), a 503 (not started), or
-        the end of the body (a started non-streamed answer)."""
-        if self.done or self.is_cut:
-            return
-        self.is_cut = True
-        if not self.started:
-            body = json.dumps(error_body(503, message, "service_unavailable")).encode()
-            await self.send({"type": "http.response.start", "status": 503, "headers": [
-                (b"content-type", b"application/json"),
-                (b"retry-after", str(retry_after_s).encode())]})
-            await self.send({"type": "http.response.body", "body": body, "more_body": False})
-        elif self.streaming:
-            await self.send({"type": "http.response.body", "more_body": False,
-                             "body": self.sse.error_event(message)})
-        else:
-            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
-        self.done = True
 
 
 class AdmissionMiddleware:
@@ -178,16 +164,16 @@ class AdmissionMiddleware:
         self.metrics = metrics
         self.clock = clock
         #: Admitted requests whose answer is not complete (cut when a drain times out).
-        self.open: set[OpenRequest] = set()
+        self.open: set[ResponseTracker] = set()
 
     async def cut_open(self, message: str, retry_after_s: int) -> int:
         """End every admitted request now (the drain deadline, ``serve.app``): a stream gets
         exactly one error event of its dialect, an answer not started a 503 with
         ``Retry-After``. Returns how many were cut."""
-        handles = list(self.open)
-        for handle in handles:
-            await handle.cut(message, retry_after_s)
-        return len(handles)
+        trackers = list(self.open)
+        for tracker in trackers:
+            await tracker.cut(message, retry_after_s)
+        return len(trackers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope.get("method") != "POST"
@@ -219,20 +205,18 @@ class AdmissionMiddleware:
         metrics.queue_wait.observe(slot.queue_wait_s)
         if self.engine_alive is not None and not self.engine_alive():
             slot.release(completed=False)
-            await openai_error(503, "The engine stopped; this server is restarting. Retry on "
-                               "another replica or in a moment.", type_="service_unavailable",
-                               headers={"Retry-After": "5"})(scope, receive, send)
+            await openai_error(503, ENGINE_LOST, type_="service_unavailable",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})(
+                scope, receive, send)
             return
-        sse = dialect(scope.get("path"))
-        tracker = ResponseTracker(arrival, self.clock, sse=sse)
-        handle = OpenRequest(send, sse)
-        self.open.add(handle)
+        tracker = ResponseTracker(arrival, self.clock, sse=dialect(scope.get("path")))
+        self.open.add(tracker)
         try:
             await self.app(scope, tracker.watch(replay(body, receive),
                                                 scope.get(REQUEST_STATE_KEY)),
-                           tracker.wrap(handle.forward))
+                           tracker.wrap(send))
         finally:
-            self.open.discard(handle)
+            self.open.discard(tracker)
             completed = tracker.completed
             slot.release(completed=completed)
             if tracker.client_left:

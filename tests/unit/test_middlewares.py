@@ -178,3 +178,35 @@ async def test_intake_refuses_before_the_engine_and_echoes_the_request_id():
     assert status == 200 and headers[b"x-request-id"].startswith(b"abc-")
     assert seen[0]["messages"][0]["content"] == "<\u2060|end|>"
     assert seen[0]["max_tokens"] == 2048  # the documented default
+
+
+async def test_a_cut_stream_gets_one_error_event_and_is_not_counted_finished():
+    """The drain deadline (``cut_open``): what the app sends after the cut never reaches the
+    client, and the request counts neither as finished nor as goodput."""
+    import asyncio
+
+    clock, resume = Clock(), asyncio.Event()
+
+    async def peer(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'})
+        await resume.wait()  # the engine goes on after the cut
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    app, metrics = admission(peer, clock)
+    request = asyncio.create_task(call(app))
+    while not app.open:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert await app.cut_open("shutting down", 5) == 1
+    resume.set()
+    status, body, _ = await request
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert status == 200 and events[-1].startswith('data: {"error"') and len(events) == 2
+    assert "[DONE]" not in body.decode()
+    assert counts(metrics) == (1, 0, 0, 0) and not app.open
