@@ -314,8 +314,7 @@ class SimGate:
         self.slots.set_limit(limit)
 
     def snapshot(self) -> LimiterSnapshot:
-        return LimiterSnapshot(self.limit, self.in_flight, self.pending,
-                               self.slots.completion_rate())
+        return self.slots.snapshot(self.pending)
 
     def offer(self, result: RequestResult) -> None:
         """A request arrives now: admit, queue or reject it (the middleware's ``_acquire``)."""

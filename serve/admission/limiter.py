@@ -233,6 +233,11 @@ class SlotCounter:
             return None
         return (position + 1) / rate
 
+    def snapshot(self, pending: int) -> LimiterSnapshot:
+        """What the autotuner reads each tick, with ``pending`` requests in the caller's
+        queue."""
+        return LimiterSnapshot(self._limit, self._in_flight, pending, self.completion_rate())
+
     def retry_after_s(self, pending: int) -> int:
         """Suggested ``Retry-After`` in whole seconds (1..60) behind ``pending`` queued
         requests, from the drain rate."""
@@ -296,8 +301,7 @@ class AdmissionLimiter:
         return sum(1 for w in self._waiters if not w.done())
 
     def snapshot(self) -> LimiterSnapshot:
-        return LimiterSnapshot(self.limit, self.in_flight, self.pending,
-                               self.slots.completion_rate())
+        return self.slots.snapshot(self.pending)
 
     def set_limit(self, limit: int) -> None:
         """Change the limit now (:meth:`SlotCounter.set_limit`); raising it admits queued

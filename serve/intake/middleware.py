@@ -46,8 +46,6 @@ REQUEST_ID_HEADER = b"x-request-id"
 #: Largest body handled on the event loop when it has no images (a text chat): parsing it takes
 #: microseconds, less than a hop to a worker thread.
 INLINE_MAX_BYTES = 16 * 1024
-#: Request fields vLLM would honour but we do not let clients set.
-REFUSED_FIELDS = ("media_io_kwargs", "chat_template", "chat_template_kwargs")
 
 
 class IntakeMiddleware:
@@ -120,7 +118,7 @@ class IntakeMiddleware:
             if not isinstance(done, GenerationRequest):
                 return done
             request = done
-        if not all(ref.is_data_url for ref in request.images):
+        if request.has_urls_to_fetch:
             return await self.fetch_and_finish(request)
         return await asyncio.to_thread(self.finish, request, {})
 
@@ -130,7 +128,7 @@ class IntakeMiddleware:
         must be fetched first: then the parsed request is returned for :meth:`fetch_and_finish`.
         """
         request = self.parse(raw, protocol, header_id)
-        if not all(ref.is_data_url for ref in request.images):
+        if request.has_urls_to_fetch:
             return request
         return self.finish(request, {})
 
@@ -174,9 +172,6 @@ class IntakeMiddleware:
             request.request_id = header_id or data.get("request_id") or new_request_id()
         if header_id is None or protocol == RESPONSES:
             data["request_id"] = request.request_id
-        for name in REFUSED_FIELDS:
-            if data.get(name) is not None:
-                raise IntakeError(400, f"{name} is not accepted by this server", name)
         if request.messages is not None and all(
                 data.get(name) is None for name in request.answer_fields):
             # Without a bound vLLM generates until the context is full (minutes on a 128k

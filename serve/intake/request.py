@@ -109,6 +109,11 @@ class GenerationRequest:
     #: The id vLLM names the response after, echoed in ``X-Request-Id`` (set by the intake).
     request_id: str = ""
 
+    @property
+    def has_urls_to_fetch(self) -> bool:
+        """Some image is a URL to fetch (not a ``data:`` URL)."""
+        return not all(ref.is_data_url for ref in self.images)
+
     def answer_tokens(self) -> tuple[str, int | None]:
         """The answer-length field in use and its value: the first of :attr:`answer_fields`
         that is set, else the last; the value is None when it is not an integer (vLLM then
@@ -278,20 +283,25 @@ def check_request_id(value: Any, param: str) -> str:
     return f"{value}-{secrets.token_hex(4)}"
 
 
+#: Request fields vLLM would honour but we do not let clients set.
+REFUSED_FIELDS = ("media_io_kwargs", "chat_template", "chat_template_kwargs")
 #: Body fields bounding the answer length, over the three generation protocols.
 ANSWER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def check_common(body: dict, limits: RequestLimits) -> None:
     """Checks every generation route shares: valid Unicode everywhere (:func:`check_unicode`),
-    no tools, ``n``, the answer-length fields (integers of at least 1, each named in its
-    error) and a client-chosen ``request_id`` (made unique in place, see
-    :func:`check_request_id`).
+    none of :data:`REFUSED_FIELDS`, no tools, ``n``, the answer-length fields (integers of at
+    least 1, each named in its error) and a client-chosen ``request_id`` (made unique in
+    place, see :func:`check_request_id`).
 
     Raises:
         IntakeError: 400 naming the field.
     """
     check_unicode(body)
+    for name in REFUSED_FIELDS:
+        if body.get(name) is not None:
+            raise IntakeError(400, f"{name} is not accepted by this server", name)
     tool_choice = body.get("tool_choice")
     if body.get("tools") or tool_choice not in (None, "none"):
         raise IntakeError(400, "tools are not supported: Phi-3-vision has no tool-call format",
