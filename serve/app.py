@@ -243,9 +243,10 @@ class Gateway:
         vLLM's routes the table does not classify (closed, and a test fails on them)."""
         own = [{"path": r.path, "methods": sorted(r.methods or ()), "policy": "own",
                 "open": True} for r in self.own.routes]
-        vllm = [{"path": path, "methods": list(methods), "policy": self.routes.policy(path),
-                 "open": self.routes.policy(path) not in (OPTIONAL, CLOSED)}
-                for path, methods in self.state.vllm_routes if path not in self._own_paths]
+        vllm = [{"path": path, "methods": list(methods), "policy": policy,
+                 "open": policy not in (OPTIONAL, CLOSED)}
+                for path, methods in self.state.vllm_routes if path not in self._own_paths
+                for policy in (self.routes.policy(path),)]
         return JSONResponse({"routes": own + vllm, "unclassified": self.routes.unclassified(
             path for path, _ in self.state.vllm_routes)})
 

@@ -160,6 +160,20 @@ def check_unicode(value: Any, path: str = "") -> None:
 DETAILS = ("auto", "low", "high")
 
 
+def check_detail(detail: Any, name: str, param: str) -> None:
+    """``detail`` of an image part (``name``: how the protocol calls it) is one of
+    :data:`DETAILS` or null, else a 400 naming ``param``."""
+    if detail is not None and detail not in DETAILS:
+        raise IntakeError(400, f"{name} must be one of {', '.join(DETAILS)} or null; "
+                          f"got {detail!r}", param)
+
+
+def check_image_role(role: str, param: str) -> None:
+    """Images are accepted in user messages only, else a 400 naming ``param``."""
+    if role != "user":
+        raise IntakeError(400, f"images are accepted in user messages only, not {role}", param)
+
+
 def _image_url(part: dict, param: str) -> str:
     """The URL of an ``image_url`` part: ``{"url": ..., "detail": ...}`` or a bare string."""
     value = part.get("image_url")
@@ -168,9 +182,7 @@ def _image_url(part: dict, param: str) -> str:
         raise IntakeError(400, "an image_url part needs image_url.url (a data: URL)",
                           f"{param}.image_url")
     detail = value.get("detail") if isinstance(value, dict) else None
-    if detail is not None and detail not in DETAILS:
-        raise IntakeError(400, f"image_url.detail must be one of {', '.join(DETAILS)} or null; "
-                          f"got {detail!r}", f"{param}.image_url.detail")
+    check_detail(detail, "image_url.detail", f"{param}.image_url.detail")
     return url
 
 
@@ -184,9 +196,7 @@ def _check_part(part: Any, role: str, i: int, j: int, images: list[ImageRef]) ->
             raise IntakeError(400, "a text part needs a string 'text'", f"{param}.text")
         part["text"] = neutralise(part["text"])
     elif kind == "image_url":
-        if role != "user":
-            raise IntakeError(400, f"images are accepted in user messages only, not {role}",
-                              param)
+        check_image_role(role, param)
         images.append(ImageRef(part, param, _image_url(part, param)))
     else:
         raise IntakeError(400, f"content part type {kind!r} is not supported; use 'text' or "

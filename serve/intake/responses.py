@@ -28,12 +28,13 @@ from typing import Any
 
 from serve.intake.errors import IntakeError
 from serve.intake.request import (
-    DETAILS,
     GenerationRequest,
     ImageRef,
     RequestLimits,
     check_common,
+    check_detail,
     check_image_count,
+    check_image_role,
     check_num_crops,
     check_role,
     neutralise,
@@ -65,8 +66,7 @@ def _text(part: dict, where: str, output_message: bool) -> str:
 
 
 def _image(part: dict, role: str, where: str) -> ImageRef:
-    if role != "user":
-        raise IntakeError(400, f"images are accepted in user messages only, not {role}", where)
+    check_image_role(role, where)
     if part.get("file_id") is not None:
         raise IntakeError(400, "input_image.file_id is not supported (this server stores no "
                           "files); send the image as image_url (a data: URL)", f"{where}.file_id")
@@ -74,10 +74,7 @@ def _image(part: dict, role: str, where: str) -> ImageRef:
     if not isinstance(url, str) or not url:
         raise IntakeError(400, "an input_image part needs image_url (a data: URL)",
                           f"{where}.image_url")
-    detail = part.get("detail")
-    if detail is not None and detail not in DETAILS:
-        raise IntakeError(400, f"input_image.detail must be one of {', '.join(DETAILS)} or "
-                          f"null; got {detail!r}", f"{where}.detail")
+    check_detail(part.get("detail"), "input_image.detail", f"{where}.detail")
     return ImageRef(part, where, url, as_string=True)
 
 
