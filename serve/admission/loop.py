@@ -18,7 +18,7 @@ from serve.admission.engine_stats import EngineStatsFeed
 from serve.admission.limiter import AdmissionLimiter
 from serve.metrics import Metrics
 
-log = logging.getLogger("serve.loop")
+log = logging.getLogger("serve.autotuner")  # the feature's name in the logs, as before
 
 Mode = Literal["auto", "static"]
 
