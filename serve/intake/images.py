@@ -156,15 +156,6 @@ def decode_base64(payload: str, param: str) -> bytes:
     return raw
 
 
-def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
-    """The bytes of a base64 ``data:`` URL, refusing oversize payloads before decoding.
-
-    Raises:
-        IntakeError: 400 malformed URL or base64, 413 decoded size over ``max_bytes``.
-    """
-    return decode_base64(data_url_payload(url, max_bytes, param), param)
-
-
 def to_rgb(image: Image.Image) -> Image.Image:
     """8-bit RGB, transparency composited on :data:`BACKGROUND`; 16-bit and float images
     stretched from their extrema to 0-255. The UI's ``ui.images.to_rgb`` (its own venv, no

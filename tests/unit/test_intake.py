@@ -13,7 +13,7 @@ from PIL import Image
 
 from serve.auth import ApiKeys
 from serve.intake.errors import IntakeError
-from serve.intake.images import ImagePolicy, decode_data_url, prepare_image
+from serve.intake.images import ImagePolicy, data_url_payload, decode_base64, prepare_image
 from serve.intake.request import RequestLimits, parse_chat_request
 from serve.intake.urls import UrlPolicy, check_url, is_public
 from serve.streamguard import StreamGuardMiddleware
@@ -88,6 +88,11 @@ def test_pixel_cap_from_header():
     with pytest.raises(IntakeError) as err:
         prepare((IMAGES / "astronaut.png").read_bytes(), small, "img")
     assert err.value.status == 413 and "512x512" in err.value.message
+
+
+def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
+    """What the intake does with a ``data:`` URL (``IntakeMiddleware.finish``)."""
+    return decode_base64(data_url_payload(url, max_bytes, param), param)
 
 
 def test_data_url_byte_cap_checked_before_decoding():
