@@ -231,7 +231,7 @@ class AdmissionMiddleware:
     async def _acquire(self, receive: Receive):
         """Take a slot, giving up (``ClientGone``) if the client disconnects while queued."""
         lim = self.limiter
-        if lim.in_flight < lim.capacity and lim.pending == 0:
+        if lim.slots.has_room() and lim.pending == 0:
             return await lim.acquire()
         acquire = asyncio.ensure_future(lim.acquire(ttft_target_s=self.slo.ttft_s))
         watch = asyncio.ensure_future(receive())
