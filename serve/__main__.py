@@ -25,6 +25,15 @@ def check_model_dir(settings: Settings) -> str | None:
         return (f"No model directory at {path} (config.json missing). Build the demo model "
                 "with `make demo` (or `python -m serve.models.build --size tiny --out "
                 f"{path}`), or see the README to serve the real {REAL_MODEL_ID}.")
+    dangling = sorted(p.name for p in path.iterdir() if p.is_symlink() and not p.exists())
+    if dangling:
+        # prepare_real links the weights relatively: mounted in a container or on a volume,
+        # the weights directory must keep its place relative to the model directory.
+        first = path / dangling[0]
+        return (f"{path} links to files that are not there: {', '.join(dangling)} "
+                f"({first} -> {first.readlink()}). Mount the weights directory where that "
+                "link points (deploy/README.md: models/ and weights/ side by side), or "
+                "rebuild the links with `make serve WEIGHTS=...`.")
     if settings.load_format != "dummy" and not any(path.glob("*.safetensors")):
         return (f"{path} has no *.safetensors weights. Serve it with --load-format dummy "
                 "(random weights, for benchmarks) or put the weights there.")

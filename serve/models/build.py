@@ -453,9 +453,12 @@ def prepare_real(weights_dir: str | Path, out_dir: str | Path, force: bool = Fal
     of :data:`REAL_TEXT_FIELDS` (incl. the real ``rope_scaling`` LongRoPE
     factors) taken from ``weights_dir/config.json``; our
     ``generation_config.json``, ``preprocessor_config.json`` and remote code;
-    and absolute symlinks to the downloaded ``*.safetensors`` (+ index) and
-    tokenizer files. No ``.py`` file of ``weights_dir`` is ever copied or
-    linked: ``trust_remote_code`` runs our code only.
+    and *relative* symlinks to the downloaded ``*.safetensors`` (+ index) and
+    tokenizer files, so the pair of directories can be mounted anywhere (a
+    container, a volume) as long as both keep their relative places
+    (``deploy/README.md``: ``models/`` and ``weights/`` side by side). No
+    ``.py`` file of ``weights_dir`` is ever copied or linked:
+    ``trust_remote_code`` runs our code only.
 
     Args:
         weights_dir: directory holding the downloaded files.
@@ -495,8 +498,10 @@ def prepare_real(weights_dir: str | Path, out_dir: str | Path, force: bool = Fal
     def add_links(tmp: Path) -> None:
         links = [*weights, *REAL_TOKENIZER_FILES,
                  *(n for n in REAL_OPTIONAL_FILES if (src / n).is_file())]
+        # Relative to the final directory (tmp is its sibling, renamed into place).
+        rel = Path(os.path.relpath(src, out.resolve()))
         for name in links:
-            os.symlink(src / name, tmp / name)
+            os.symlink(rel / name, tmp / name)
 
     if _write_model_dir(out, stamp, config, num_crops, force, add_links):
         log.info("prepared %s from %s", out, src)

@@ -521,11 +521,27 @@ def test_prepare_real(tmp_path):
         "tokenizer.json",
     ):
         assert (out / name).is_symlink() and (out / name).resolve() == (src / name).resolve()
+        # Relative, so the pair of directories can be mounted elsewhere (deploy/README.md).
+        assert not (out / name).readlink().is_absolute()
     from transformers import AutoConfig
 
     loaded = AutoConfig.from_pretrained(out, trust_remote_code=True)
     assert loaded.rope_parameters["rope_type"] == "longrope"
     assert loaded.rope_parameters["long_factor"] == real["rope_scaling"]["long_factor"]
+    # Moved together (as mounted in a container), the links still resolve and the start-up
+    # check passes; the model directory alone (weights not mounted) is refused by name.
+    from serve.__main__ import check_model_dir
+    from serve.settings import Settings
+
+    moved = tmp_path / "srv"
+    moved.mkdir()
+    (src).rename(moved / "download")
+    (out).rename(moved / "real")
+    assert check_model_dir(Settings(model=str(moved / "real"))) is None
+    (moved / "download").rename(tmp_path / "elsewhere")
+    problem = check_model_dir(Settings(model=str(moved / "real")))
+    assert problem and "model-00001-of-00002.safetensors" in problem and "Mount" in problem
+    (tmp_path / "elsewhere").rename(src)
     # weights absent -> a FileNotFoundError naming them
     (src / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
