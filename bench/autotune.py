@@ -48,11 +48,26 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench.sim import RequestResult, RunResult, Setup, simulate
-from bench.trace import Trace, cpu_trace, phase_trace
+from bench.sim import PROFILES, RequestResult, RunResult, Setup, simulate
+from bench.trace import (
+    CPU_CAPACITY,
+    SUITE,
+    SUITE_DESCRIPTIONS,
+    Capacity,
+    Trace,
+    backlog_trace,
+    chat_phase,
+    concat_traces,
+    cpu_suite,
+    cpu_trace,
+    long_phase,
+    phase_trace,
+    suite,
+    vision_phase,
+)
 from serve.admission.engine_stats import percentile
 from serve.admission.goodput import SloTargets
 from serve.settings import Settings
@@ -249,6 +264,176 @@ def sim_benchmark(out: Path, seed: int = 0) -> SimReport:
     return report
 
 
+# --- the trace suite on the simulator (issue 12) ---------------------------------------------
+def static_limits(ceiling: int) -> tuple[int, ...]:
+    """Every power of two from 1 up to ``ceiling`` (and ``ceiling`` itself), requests."""
+    out = [1 << i for i in range(ceiling.bit_length()) if 1 << i <= ceiling]
+    return tuple(out if out[-1] == ceiling else [*out, ceiling])
+
+
+def measure_capacity(setup: Setup, num_crops: int, seed: int = 0) -> Capacity:
+    """The engine's saturated throughput per request mix (:class:`bench.trace.Capacity`).
+
+    For each mix, ``4 x max_num_seqs`` requests arrive at once and the engine serves them
+    with the best of two fixed limits, its own ``max_num_seqs`` and the KV-safe capacity (so
+    that preemption thrash is not counted as capacity); throughput = finished / makespan.
+    """
+    ceiling = setup.engine.max_num_seqs
+    base = Capacity(1.0, 1.0, 1.0, ceiling, num_crops=(num_crops, num_crops))
+    n = 4 * ceiling
+    backlog = replace(setup, max_queue=n, max_queue_wait_s=1e9, slo_shedding=False)
+
+    def rps(phase) -> float:
+        trace = backlog_trace(phase, n, seed)
+        runs = [simulate(trace, "static", limit, backlog)
+                for limit in sorted({setup.start_limit, ceiling})]
+        return max(sum(r.finished for r in run.requests) / run.end_s for run in runs)
+
+    return replace(base, chat_rps=rps(chat_phase("chat", 1, 1, base)),
+                   vision_rps=rps(vision_phase("vision", 1, 1, base)),
+                   long_rps=rps(long_phase("long", 1, 1)))
+
+
+@dataclass
+class TraceRow:
+    """One trace of the suite: ``auto``, every fixed limit and ``unlimited``."""
+
+    name: str
+    trace: Trace
+    auto: Summary
+    statics: list[Summary]
+    unlimited: Summary
+    auto_run: RunResult | None = None
+
+    @property
+    def best_static(self) -> Summary:
+        return max(self.statics, key=lambda s: s.goodput_per_s)
+
+    @staticmethod
+    def _ratio(a: Summary, b: Summary) -> float:
+        return a.goodput_per_s / b.goodput_per_s if b.goodput_per_s else float("inf")
+
+    @property
+    def vs_best_static(self) -> float:
+        return self._ratio(self.auto, self.best_static)
+
+    @property
+    def vs_unlimited(self) -> float:
+        return self._ratio(self.auto, self.unlimited)
+
+
+def run_trace(name: str, trace: Trace, setup: Setup, limits: tuple[int, ...]) -> TraceRow:
+    """Simulate ``auto``, each fixed limit and ``unlimited`` on one trace."""
+    runs = [simulate(trace, "auto", None, setup),
+            *(simulate(trace, "static", limit, setup) for limit in limits),
+            simulate(trace, "unlimited", None, setup)]
+    rows = [summarize(r.label, r.requests, trace, setup.slo, r.preemptions) for r in runs]
+    return TraceRow(name, trace, rows[0], rows[1:-1], rows[-1], runs[0])
+
+
+@dataclass
+class SuiteReport:
+    """The suite on one engine profile."""
+
+    profile: str
+    capacity: Capacity
+    rows: list[TraceRow]
+
+    @property
+    def min_vs_best_static(self) -> float:
+        return min(r.vs_best_static for r in self.rows)
+
+    @property
+    def min_vs_unlimited(self) -> float:
+        return min(r.vs_unlimited for r in self.rows)
+
+    def single_best_static(self) -> tuple[str, float]:
+        """The one fixed limit an operator would pick for every trace (the best worst case
+        of goodput / that trace's best fixed limit) and that worst ratio: the regret the
+        autotuner removes."""
+        labels = [s.label for s in self.rows[0].statics]
+
+        def worst(label: str) -> float:
+            return min(TraceRow._ratio(next(s for s in r.statics if s.label == label),
+                                       r.best_static) for r in self.rows)
+
+        best = max(labels, key=worst)
+        return best, worst(best)
+
+
+def suite_setup(profile: str) -> tuple[Setup, int]:
+    """The setup a GPU server with today's settings runs on ``profile``, and its num_crops."""
+    settings = Settings(device="cuda")
+    setup = Setup.from_settings(settings, PROFILES[profile]())
+    return setup, settings.resolved().num_crops
+
+
+def suite_report(profile: str, seed: int = 0, scale: float = 1.0,
+                 names: tuple[str, ...] = SUITE) -> SuiteReport:
+    """Run the trace suite on one simulator profile (:data:`bench.sim.PROFILES`)."""
+    setup, num_crops = suite_setup(profile)
+    capacity = measure_capacity(setup, num_crops, seed)
+    limits = static_limits(setup.engine.max_num_seqs)
+    traces = suite(capacity, seed, scale, names)
+    return SuiteReport(profile, capacity, [run_trace(n, t, setup, limits)
+                                           for n, t in traces.items()])
+
+
+def format_suite(report: SuiteReport) -> str:
+    """One row per trace: auto, the best fixed L and its goodput, unlimited, the ratios."""
+    lines = [f"{'trace':<5} {'req':>5} {'auto/s':>7} {'best L':>7} {'its /s':>7} "
+             f"{'unlim/s':>7} {'auto/best':>9} {'auto/unl':>8}  {'auto p90 TTFT/ITL s':>19} "
+             f"{'preempt a/u':>11} {'429 a/u':>9}  what"]
+    for r in report.rows:
+        a, u = r.auto, r.unlimited
+        lines.append(
+            f"{r.name:<5} {len(r.trace.requests):>5} {a.goodput_per_s:7.2f} "
+            f"{r.best_static.label.removeprefix('L='):>7} {r.best_static.goodput_per_s:7.2f} "
+            f"{u.goodput_per_s:7.2f} {r.vs_best_static:9.2f} {r.vs_unlimited:8.2f}  "
+            f"{a.ttft_p90_s or 0:9.2f}/{a.itl_p90_s or 0:<9.3f} "
+            f"{f'{a.preemptions}/{u.preemptions}':>11} {f'{a.dropped}/{u.dropped}':>9}  "
+            f"{SUITE_DESCRIPTIONS.get(r.name, '')}")
+    return "\n".join(lines)
+
+
+def suite_benchmark(out: Path, seed: int = 0,
+                    profiles: tuple[str, ...] = tuple(PROFILES)) -> list[SuiteReport]:
+    """The simulator part: the suite on each profile; prints the tables and the final line,
+    writes ``suite.json`` to ``out``."""
+    reports = []
+    for profile in profiles:
+        t0 = time.perf_counter()
+        report = suite_report(profile, seed)
+        c = report.capacity
+        setup, _ = suite_setup(profile)
+        e = setup.engine
+        print(f"simulator, profile {profile}: {e.num_gpu_blocks} KV blocks "
+              f"({e.kv_capacity_tokens} tokens), max_num_seqs {e.max_num_seqs}, auto starts at "
+              f"{setup.start_limit}; capacity (saturated) chat {c.chat_rps:.1f}/s, images "
+              f"{c.vision_rps:.1f}/s, long answers {c.long_rps:.2f}/s; SLO TTFT "
+              f"{setup.slo.ttft_s:g} s, ITL {setup.slo.itl_s:g} s; "
+              f"{time.perf_counter() - t0:.0f} s")
+        print(format_suite(report))
+        label, worst = report.single_best_static()
+        print(f"  single best fixed limit over the suite: {label} (worst trace at "
+              f"{worst:.2f} of that trace's best fixed L); auto's worst: "
+              f"{report.min_vs_best_static:.2f}")
+        reports.append(report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "suite.json").write_text(json.dumps([{
+        "profile": r.profile, "capacity": asdict(r.capacity),
+        "traces": [{"name": t.name, "requests": len(t.trace.requests),
+                    "duration_s": t.trace.duration_s, "auto": asdict(t.auto),
+                    "unlimited": asdict(t.unlimited), "statics": [asdict(s) for s in t.statics],
+                    "auto_limits": t.auto_run.limits} for t in r.rows]}
+        for r in reports], indent=1))
+    n = sum(len(r.rows) for r in reports)
+    print(f"autotune traces={n} min auto/best_static="
+          f"{min(r.min_vs_best_static for r in reports):.2f} min auto/unlimited="
+          f"{min(r.min_vs_unlimited for r in reports):.2f}")
+    return reports
+
+
 # --- CPU engine part (the real tiny engine behind the real gateway) -------------------------
 #: Static limits on the CPU engine: its ``max_num_seqs`` ceiling is 32, so ``--admission-limit``
 #: 64..256 resolve to 32 (``Settings.resolved`` clamps the limit to the ceiling).
@@ -261,6 +446,7 @@ CPU_STATIC_LIMITS = (1, 2, 4, 8, 16, 32)
 #: other requests' image encodes (~0.3 s each, in the same engine step).
 CPU_SLO_TTFT_S = 2.0
 CPU_SLO_ITL_S = 0.05
+CPU_SLO = SloTargets(CPU_SLO_TTFT_S, CPU_SLO_ITL_S)
 #: ``auto``'s extra flags: the shipped controller with its time constants halved (sample
 #: every 1 s instead of 2, latency window 5 s instead of 10, cooldown 3 s instead of 6; the
 #: same ratios), because the CPU trace's phases last 25 s where the simulator's last 180 s.
@@ -337,6 +523,45 @@ class CpuReport:
         return self.auto.goodput_per_s / self.best_static.goodput_per_s
 
 
+def run_settings(settings: list, trace: Trace, bodies: list[bytes], common: list[str],
+                 log_dir: Path, drain_s: float, slo: SloTargets, quiet_wait_s: float,
+                 retries: int) -> tuple[list, list[dict]]:
+    """Replay ``trace`` against a fresh server per setting, one after the other; a run during
+    which other processes used more than :data:`NOISY_CORES` runs again, up to ``retries``
+    times (the quietest attempt counts). Returns the replays and, per setting, how it ran."""
+    from bench import cpu_engine as ce
+
+    replays, extra = [], []
+    for setting in settings:
+        attempts = []
+        for attempt in range(1 + retries):
+            waited = ce.wait_quiet(quiet_wait_s) if quiet_wait_s > 0 else 0.0
+            t0 = time.monotonic()
+            replay, ready_s, foreign = ce.run_setting(setting, trace, bodies, common,
+                                                      log_dir, drain_s, attempt + 1)
+            noisy = foreign is not None and foreign > NOISY_CORES
+            attempts.append((noisy, foreign or 0.0, replay, {
+                "args": setting.args, "ready_s": ready_s, "foreign_cores": foreign,
+                "quiet_wait_s": waited, "attempt": attempt + 1}))
+            good = sum(r.good(slo) for r in replay.results)
+            lims = [limit for _, limit in replay.limits]
+            print(f"  {setting.label:>5}: ready in {ready_s:.0f} s, replay "
+                  f"{replay.end_s:.0f} s (run {time.monotonic() - t0:.0f} s, waited "
+                  f"{waited:.0f} s for a quiet machine), good {good}/"
+                  f"{len(replay.results)}, limit {min(lims, default='?')}.."
+                  f"{max(lims, default='?')}, other processes "
+                  + ("?" if foreign is None else f"{foreign:.2f} cores")
+                  + (" NOISY: they shared the cores with this run"
+                     + (", running it again" if attempt < retries else "")
+                     if noisy else ""), flush=True)
+            if not noisy:
+                break
+        _, _, replay, info = min(attempts, key=lambda a: a[:2])  # the quietest attempt
+        replays.append(replay)
+        extra.append(info)
+    return replays, extra
+
+
 def cpu_engine_benchmark(out: Path, seed: int = 0, urls: list[str] | None = None,
                          phase_s: float = 25.0, slo_ttft_s: float = CPU_SLO_TTFT_S,
                          slo_itl_s: float = CPU_SLO_ITL_S,
@@ -386,33 +611,8 @@ def cpu_engine_benchmark(out: Path, seed: int = 0, urls: list[str] | None = None
               f"'{' '.join(settings[0].args)}' (auto) or '--autotune static "
               f"--admission-limit L'; CPU ceiling max_num_seqs 32, so L=64..256 are L=32",
               flush=True)
-        for setting in settings:
-            attempts = []
-            for attempt in range(1 + retries):
-                waited = ce.wait_quiet(quiet_wait_s) if quiet_wait_s > 0 else 0.0
-                t0 = time.monotonic()
-                replay, ready_s, foreign = ce.run_setting(setting, trace, bodies, common,
-                                                          log_dir, drain_s, attempt + 1)
-                noisy = foreign is not None and foreign > NOISY_CORES
-                attempts.append((noisy, foreign or 0.0, replay, {
-                    "args": setting.args, "ready_s": ready_s, "foreign_cores": foreign,
-                    "quiet_wait_s": waited, "attempt": attempt + 1}))
-                good = sum(r.good(slo) for r in replay.results)
-                lims = [limit for _, limit in replay.limits]
-                print(f"  {setting.label:>5}: ready in {ready_s:.0f} s, replay "
-                      f"{replay.end_s:.0f} s (run {time.monotonic() - t0:.0f} s, waited "
-                      f"{waited:.0f} s for a quiet machine), good {good}/"
-                      f"{len(replay.results)}, limit {min(lims, default='?')}.."
-                      f"{max(lims, default='?')}, other processes "
-                      + ("?" if foreign is None else f"{foreign:.2f} cores")
-                      + (" NOISY: they shared the cores with this run"
-                         + (", running it again" if attempt < retries else "")
-                         if noisy else ""), flush=True)
-                if not noisy:
-                    break
-            _, _, replay, info = min(attempts, key=lambda a: a[:2])  # the quietest attempt
-            replays.append(replay)
-            extra.append(info)
+        replays, extra = run_settings(settings, trace, bodies, common, log_dir, drain_s, slo,
+                                      quiet_wait_s, retries)
     rows = [summarize(r.label, r.results, trace, slo, r.preemptions) for r in replays]
     statics = [row for row in rows if row.label != "auto"]
     report = CpuReport(rows, replays, max(statics, key=lambda s: s.goodput_per_s, default=None),
@@ -450,18 +650,118 @@ def cpu_engine_benchmark(out: Path, seed: int = 0, urls: list[str] | None = None
     return report
 
 
+#: Fixed limits of the CPU suite (requests). 1, 2 and 4 are left out: on the simulator they
+#: are the best fixed limit of no trace, and each costs another ~2.5 minutes of the CPU run.
+CPU_SUITE_LIMITS = (8, 16, 32)
+#: Seconds of silence after each CPU suite trace, for the engine to finish what it left.
+CPU_SUITE_GAP_S = 8.0
+
+
+def cpu_suite_benchmark(out: Path, seed: int = 0, limits: tuple[int, ...] = CPU_SUITE_LIMITS,
+                        slo: SloTargets = CPU_SLO,
+                        quiet_wait_s: float = 30.0, retries: int = 1) -> list[TraceRow]:
+    """The suite on the real tiny engine (:func:`bench.trace.cpu_suite`: T1, T2, T5, T6 at CPU
+    scale, played back to back with :data:`CPU_SUITE_GAP_S` between them), against ``auto``,
+    each fixed limit and ``unlimited`` (plain vLLM's OpenAI server on the same engine), each
+    a fresh server. Prints one row per trace and the final line; writes
+    ``cpu-suite.json``."""
+    from bench import cpu_engine as ce
+    from bench import process
+
+    t_start = time.monotonic()
+    parts = cpu_suite(seed)
+    trace, by_name = concat_traces(parts, CPU_SUITE_GAP_S)
+    drain_s = slo.ttft_s + slo.itl_s * max(r.output_tokens for r in trace.requests)
+    process.ensure_tiny_model()
+    bodies = ce.build_bodies(trace, process.TINY_MODEL.name)
+    common = ["--slo-ttft-s", f"{slo.ttft_s:g}", "--slo-itl-s", f"{slo.itl_s:g}"]
+    settings = [*cpu_settings(limits), ce.Setting("unlimited", raw=True)]
+    sizes = ", ".join(f"{n} {len(t.requests)} req/{t.duration_s:.0f} s"
+                      for n, t in by_name.items())
+    print(f"cpu engine suite: {sizes} (seed {seed}); {len(settings)} servers one at a time (auto: "
+          f"'{' '.join(settings[0].args)}'; L={', '.join(map(str, limits))}; unlimited: "
+          f"plain vLLM); SLO TTFT {slo.ttft_s:g} s, ITL {slo.itl_s:g} s", flush=True)
+    replays, extra = run_settings(settings, trace, bodies, common, out / "cpu-suite", drain_s,
+                                  slo, quiet_wait_s, retries)
+    rows = []
+    for name, part in by_name.items():
+        ids = {r.id for r in part.requests}
+        sums = [summarize(rep.label, [r for r in rep.results if r.request.id in ids], part, slo,
+                          None) for rep in replays]
+        rows.append(TraceRow(name, part, sums[0], sums[1:-1], sums[-1]))
+    print(format_suite(SuiteReport("cpu", CPU_CAPACITY, rows)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cpu-suite.json").write_text(json.dumps({
+        "seed": seed, "slo": asdict(slo), "capacity": asdict(CPU_CAPACITY),
+        "runs": [{"label": rep.label, **info, "limits": rep.limits,
+                  "requests": [_outcome(r) for r in rep.results]}
+                 for rep, info in zip(replays, extra, strict=False)],
+        "traces": [{"name": t.name, "auto": asdict(t.auto), "unlimited": asdict(t.unlimited),
+                    "statics": [asdict(x) for x in t.statics]} for t in rows]}, indent=1))
+    for rep in replays:
+        if rep.mode == "auto":
+            print("auto's limit every 2.5 s (polled /admin/autotuner), by phase:")
+            print(limit_timeline(rep.limits, trace))
+    noisy = [rep.label for rep, info in zip(replays, extra, strict=False)
+             if (info.get("foreign_cores") or 0.0) > NOISY_CORES]
+    if noisy:
+        print(f"WARNING: other processes shared the cores during {', '.join(noisy)}: run "
+              "again on a quiet machine.")
+    print(f"cpu engine suite: {time.monotonic() - t_start:.0f} s in all")
+    print(f"cpu-engine min auto/best_static={min(r.vs_best_static for r in rows):.2f} "
+          f"min auto/unlimited={min(r.vs_unlimited for r in rows):.2f}")
+    return rows
+
+
+def cpu_capacity_benchmark(out: Path, seed: int = 0) -> Capacity:
+    """Measure :data:`bench.trace.CPU_CAPACITY` on this machine: for each mix, ``4 x
+    max_num_seqs`` requests at once against a fresh server at the ceiling (no shedding, no
+    queue limit); throughput = finished / the last finish time."""
+    from bench import cpu_engine as ce
+    from bench import process
+
+    process.ensure_tiny_model()
+    base = CPU_CAPACITY
+    n = 4 * base.ceiling
+    phases = {"chat_rps": chat_phase("chat", 1, 1, base),
+              "vision_rps": vision_phase("vision", 1, 1, base),
+              "long_rps": replace(long_phase("long", 1, 1), output_tokens=(200, 400))}
+    setting = ce.Setting("L=32", ["--autotune", "static", "--admission-limit", "32",
+                                  "--max-queue", str(n), "--max-queue-wait-s", "3600"])
+    common = ["--slo-ttft-s", "3600", "--slo-itl-s", "3600"]
+    found = {}
+    for key, phase in phases.items():
+        trace = backlog_trace(phase, n, seed)
+        bodies = ce.build_bodies(trace, process.TINY_MODEL.name)
+        replay, _, foreign = ce.run_setting(setting, trace, bodies, common,
+                                            out / "cpu-capacity", drain_s=600)
+        done = [r.finish_s for r in replay.results if r.finish_s is not None]
+        found[key] = len(done) / max(done)
+        print(f"  {key}: {len(done)}/{n} finished in {max(done):.1f} s = {found[key]:.2f}/s "
+              f"(other processes {foreign or 0:.2f} cores)", flush=True)
+    return replace(base, **found)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.autotune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/out"),
-                        help="directory for limit.png and results.json (default: bench/out)")
+                        help="directory for the plots and JSON results (default: bench/out)")
     parser.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     parser.add_argument("--cpu-engine", metavar="URL", nargs="?", const="", action="append",
-                        help="also run the CPU engine part: with no URL, start one server per "
-                        "setting (auto, static L=1..32) and replay the CPU trace against each "
-                        "(~12 min); with URLs (repeatable), replay against those servers")
+                        help="also run the CPU engine part: with no URL, the CPU suite (T1, "
+                        "T2, T5, T6) against auto, fixed limits and plain vLLM, one fresh "
+                        "server each (~15 min); with URLs (repeatable), replay the CPU phase "
+                        "trace against those servers")
+    parser.add_argument("--cpu-limits", type=int, nargs="+", default=list(CPU_SUITE_LIMITS),
+                        help="fixed limits of the CPU suite (default: "
+                        f"{' '.join(map(str, CPU_SUITE_LIMITS))})")
+    parser.add_argument("--cpu-capacity", action="store_true",
+                        help="measure the tiny engine's saturated throughput per mix (the "
+                        "CPU suite's CPU_CAPACITY) and exit")
     parser.add_argument("--cpu-phase-s", type=float, default=25.0,
-                        help="length of each CPU trace phase, seconds (default 25)")
+                        help="length of each phase of the CPU phase trace replayed against "
+                        "URLs, seconds (default 25)")
     parser.add_argument("--cpu-slo-ttft-s", type=float, default=CPU_SLO_TTFT_S,
                         help=f"TTFT target of the CPU servers (default {CPU_SLO_TTFT_S:g})")
     parser.add_argument("--cpu-slo-itl-s", type=float, default=CPU_SLO_ITL_S,
@@ -472,16 +772,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-retries", type=int, default=1,
                         help="run a CPU setting again when other processes used over "
                         f"{NOISY_CORES:g} cores during it, up to this many times (default 1)")
+    parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=PROFILES,
+                        help="simulator profiles of the suite (default: all)")
     parser.add_argument("--skip-sim", action="store_true",
                         help="skip the simulator part")
     args = parser.parse_args(argv)
+    if args.cpu_capacity:
+        print(cpu_capacity_benchmark(args.out, args.seed))
+        return 0
     if not args.skip_sim:
         sim_benchmark(args.out, args.seed)
-    if args.cpu_engine:
+        suite_benchmark(args.out, args.seed, tuple(args.profiles))
+    slo = SloTargets(args.cpu_slo_ttft_s, args.cpu_slo_itl_s)
+    if args.cpu_engine and any(args.cpu_engine):
         cpu_engine_benchmark(args.out, args.seed, urls=[u for u in args.cpu_engine if u],
-                             phase_s=args.cpu_phase_s, slo_ttft_s=args.cpu_slo_ttft_s,
-                             slo_itl_s=args.cpu_slo_itl_s, quiet_wait_s=args.cpu_quiet_wait_s,
+                             phase_s=args.cpu_phase_s, slo_ttft_s=slo.ttft_s,
+                             slo_itl_s=slo.itl_s, quiet_wait_s=args.cpu_quiet_wait_s,
                              retries=args.cpu_retries)
+    elif args.cpu_engine:
+        cpu_suite_benchmark(args.out, args.seed, tuple(args.cpu_limits), slo,
+                            args.cpu_quiet_wait_s, args.cpu_retries)
     return 0
 
 

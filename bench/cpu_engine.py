@@ -194,17 +194,21 @@ async def replay_http(trace: Trace, base_url: str, bodies: list[bytes] | None = 
     limits_http = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None, connect=10),
                                  limits=limits_http) as client:
-        state = (await client.get("/admin/autotuner")).json()
+        answer = await client.get("/admin/autotuner")
+        # Plain vLLM has no gateway: no autotuner, no limit (the ``unlimited`` baseline).
+        state = answer.json() if answer.status_code == 200 else {
+            "mode": "unlimited", "limit": None, "config": {}}
         if bodies is None:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
             bodies = await asyncio.to_thread(build_bodies, trace, model)
         preempt0 = _preemptions((await client.get("/metrics")).text)
-        label = "auto" if state["mode"] == "auto" else f"L={state['limit']}"
+        label = {"auto": "auto", "unlimited": "unlimited"}.get(state["mode"],
+                                                              f"L={state['limit']}")
         limits: list[tuple[float, int]] = []
         start = time.monotonic()
 
         async def poll() -> None:
-            while True:
+            while state["mode"] != "unlimited":
                 try:
                     limit = (await client.get("/admin/autotuner")).json()["limit"]
                     limits.append((time.monotonic() - start, limit))
@@ -302,10 +306,30 @@ def wait_quiet(max_wait_s: float, threshold_cores: float = 0.3, sample_s: float 
 
 @dataclass
 class Setting:
-    """One server configuration of the benchmark: a label and its ``python -m serve`` flags."""
+    """One server configuration of the benchmark: a label and its ``python -m serve`` flags,
+    or ``raw``: plain vLLM's OpenAI server on the same engine (no gateway at all: the
+    ``unlimited`` baseline)."""
 
     label: str
     args: list[str] = field(default_factory=list)
+    raw: bool = False
+
+
+def start_raw_vllm(log_path: Path):
+    """Plain vLLM's ``python -m vllm.entrypoints.openai.api_server`` on the tiny model, with
+    the engine arguments and environment our :class:`~serve.settings.Settings` produce (as
+    ``make bench``'s raw side)."""
+    import sys
+
+    from bench.process import TINY_MODEL, free_port, start_process
+    from serve.engine import vllm_cli_args
+    from serve.settings import Settings
+
+    port = free_port()
+    settings = Settings(model=str(TINY_MODEL), port=port)
+    return start_process(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_cli_args(settings)],
+        port, log_path, "/v1/models", env=settings.engine_env())
 
 
 def run_setting(setting: Setting, trace: Trace, bodies: list[bytes], common_args: list[str],
@@ -319,7 +343,10 @@ def run_setting(setting: Setting, trace: Trace, bodies: list[bytes], common_args
         during the replay (cores, :class:`CpuMeter`).
     """
     name = setting.label.replace("=", "") + (f"-{attempt}" if attempt > 1 else "")
-    server = start_serve([*common_args, *setting.args], log_dir / f"server-{name}.log")
+    if setting.raw:
+        server = start_raw_vllm(log_dir / f"server-{name}.log")
+    else:
+        server = start_serve([*common_args, *setting.args], log_dir / f"server-{name}.log")
     try:
         meter = CpuMeter(session=server.proc.pid)
         replay = asyncio.run(replay_http(trace, server.base_url, bodies, drain_s=drain_s))

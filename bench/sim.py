@@ -6,8 +6,8 @@ What is modelled, and from where:
   first, in order (a decode needs 1 token, a partly prefilled prompt its next chunk), then
   *waiting* ones (FCFS) while the token budget ``max_num_batched_tokens`` (chunked prefill)
   and ``max_num_seqs`` allow. A step takes ``a + b * batch + c * prefill_tokens + d *
-  encoded_image_tokens`` seconds (:class:`EngineConfig`); every request whose known tokens
-  are all computed at the end of the step samples one token.
+  encoded_image_tokens + e * context_tokens_read`` seconds (:class:`EngineConfig`); every
+  request whose known tokens are all computed at the end of the step samples one token.
 - **KV cache** (vLLM ``KVCacheManager``): ``num_gpu_blocks`` blocks of ``block_size`` (16)
   tokens, allocated as tokens are computed. When a running request cannot get a block, the
   newest running request is preempted (``running.pop()``): its blocks are freed, it goes back
@@ -33,6 +33,7 @@ Every request ends either finished or dropped (gateway refusal); goodput is Dist
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -63,6 +64,9 @@ class EngineConfig:
         step_per_seq_s: ``b``, extra cost per scheduled sequence (decode attention, KV reads).
         step_per_prefill_token_s: ``c``, cost per prompt token computed (a compute-bound GEMM).
         step_per_image_token_s: ``d``, vision-encoder cost per image token encoded.
+        step_per_kv_token_s: ``e``, cost per token of KV cache a scheduled sequence reads
+            (attention over its context: memory-bound on a GPU). 0 in :data:`GPU_LIKE`, whose
+            ``b`` holds an average.
         max_num_batched_tokens: token budget of one step (chunked prefill).
         max_num_seqs: engine ceiling on running sequences (the limiter's ceiling).
         block_size: tokens per KV block (vLLM's default 16).
@@ -73,6 +77,7 @@ class EngineConfig:
     step_per_seq_s: float = 0.00025
     step_per_prefill_token_s: float = 0.00006
     step_per_image_token_s: float = 0.00002
+    step_per_kv_token_s: float = 0.0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     block_size: int = 16
@@ -90,6 +95,69 @@ class EngineConfig:
 #: parameters over 576 patches per 144-token crop), and 3000 KV blocks = 48k tokens (18 GiB of
 #: KV cache: a 40-48 GB card after the 8 GiB of weights and activations).
 GPU_LIKE = EngineConfig()
+
+# --- H200 profile: the full-size Phi-3-vision on one NVIDIA H200, from first principles -------
+#: H200 SXM: 141 GB of HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16 (NVIDIA H200 datasheet).
+H200_HBM_BYTES = 141e9
+H200_HBM_BYTES_PER_S = 4.8e12
+H200_BF16_FLOP_PER_S = 989e12
+#: Fractions of the peaks a serving engine reaches: ~80 % of HBM bandwidth in a memory-bound
+#: decode (streaming GEMV / paged attention), ~50 % model FLOP utilisation in a large prefill
+#: (typical of dense transformer inference; MLPerf-class kernels reach 60-70 %).
+H200_BW_EFFICIENCY = 0.8
+H200_MFU = 0.5
+#: Phi-3-vision: 3.8 B language-model parameters (Phi-3-mini) + the CLIP ViT-L/14-336 vision
+#: tower (0.30 B; 577 positions per 336-px crop, 144 image tokens per crop after the 2x2
+#: merge), bf16 (2 bytes). KV cache: 32 layers x (K, V) x 32 heads x 96 dims x 2 bytes =
+#: 393,216 bytes (384 KiB) per token (no GQA).
+PHI3V_LM_PARAMS = 3.8e9
+PHI3V_CLIP_PARAMS = 0.30e9
+PHI3V_KV_BYTES_PER_TOKEN = 393_216
+#: vLLM V1's per-step CPU work with CUDA graphs (scheduling, input preparation, sampling,
+#: detokenisation): ~2.5 ms per step, measured on H100-class hosts in vLLM's V1 design notes.
+STEP_CPU_OVERHEAD_S = 0.0025
+
+
+@functools.lru_cache(maxsize=None)
+def h200_profile() -> EngineConfig:
+    """The engine model of the full-size Phi-3-vision on one H200, from first principles.
+
+    Step time ``a + b*batch + c*prefill + d*image + e*kv_read`` (seconds):
+
+    - ``a`` = LM weights / (bandwidth x 0.8) + CPU overhead: every step streams the 7.6 GB of
+      LM weights once (1.98 ms) + 2.5 ms = 4.5 ms;
+    - ``b`` = 20 us per sequence (sampling, per-sequence kernel work);
+    - ``c`` = 2 x 3.8e9 FLOP per prompt token (Kaplan et al. 2020: 2N per token) at 50 % of
+      989 TFLOP/s = 15.4 us per prefill token (image tokens included: the LM prefills them);
+    - ``d`` = the CLIP tower: 2 x 0.30e9 FLOP x 577 positions per crop / 144 image tokens per
+      crop at 50 % MFU = 4.9 us per image token;
+    - ``e`` = 384 KiB of KV read per context token at 80 % of 4.8 TB/s = 0.10 us.
+
+    KV blocks: the capacity planner's figure (:mod:`serve.plan`: vLLM V1's
+    ``gpu_memory_utilization`` x memory - weights - activation peak - non-torch memory - CUDA
+    graphs, in blocks of 16 tokens x 384 KiB) for 141 GB at the GPU defaults of
+    :class:`~serve.settings.Settings`.
+    """
+    from serve.models.build import model_config
+    from serve.plan import Deployment, ModelShape, gpu_kv_cache_bytes, plan_row
+
+    shape = ModelShape.from_config(model_config("full"), "bfloat16")
+    dep = Deployment()
+    row = plan_row("H200", gpu_kv_cache_bytes(int(H200_HBM_BYTES), shape, dep), shape, dep)
+    bw = H200_HBM_BYTES_PER_S * H200_BW_EFFICIENCY
+    flops = H200_BF16_FLOP_PER_S * H200_MFU
+    return EngineConfig(
+        step_base_s=2 * PHI3V_LM_PARAMS / bw + STEP_CPU_OVERHEAD_S,
+        step_per_seq_s=20e-6,
+        step_per_prefill_token_s=2 * PHI3V_LM_PARAMS / flops,
+        step_per_image_token_s=2 * PHI3V_CLIP_PARAMS * 577 / 144 / flops,
+        step_per_kv_token_s=PHI3V_KV_BYTES_PER_TOKEN / bw,
+        block_size=dep.block_size, num_gpu_blocks=row.blocks)
+
+
+#: The simulator's engine profiles by name (``make bench-autotune`` runs the suite on both).
+PROFILES: dict[str, Callable[[], EngineConfig]] = {"gpu-like": lambda: GPU_LIKE,
+                                                   "h200": h200_profile}
 
 
 @dataclass(frozen=True)
@@ -172,6 +240,7 @@ class IterationStats:
     """The fields of vLLM's ``IterationStats`` that a stat logger can read (seconds)."""
 
     num_preempted_reqs: int
+    num_prompt_tokens: int
     time_to_first_tokens_iter: list[float]
     inter_token_latencies_iter: list[float]
     finished_requests: list[FinishedRequestStats]
@@ -358,7 +427,10 @@ class Simulation:
 
     Args:
         trace: the workload.
-        mode: ``auto`` (the controller moves the limit) or ``static`` (fixed ``limit``).
+        mode: ``auto`` (the controller moves the limit), ``static`` (fixed ``limit``) or
+            ``unlimited`` (no gateway limit, queue or shedding: every request goes straight
+            to the engine, whose own ``max_num_seqs`` and waiting queue are all there is,
+            as with plain vLLM).
         limit: the static limit; None: ``setup.start_limit`` (auto's start), requests.
         setup: engine, SLO, controller and gateway constants (:meth:`Setup.default` when
             None).
@@ -387,16 +459,25 @@ class Simulation:
         self.free_blocks = engine.num_gpu_blocks
         self.preemptions = 0
         self.steps = 0
+        if mode not in ("auto", "static", "unlimited"):
+            raise ValueError(f"unknown mode {mode!r}")
+        unlimited = mode == "unlimited"
+        if unlimited:
+            limit = max(1, len(trace.requests))  # never binds: the gate admits at once
         limit = setup.start_limit if limit is None else limit
         self.gate = SimGate(limit, setup.max_queue, setup.max_queue_wait_s, self.clock,
-                            setup.slo.ttft_s if setup.slo_shedding else None,
-                            self._admit, self._drop)
+                            setup.slo.ttft_s if setup.slo_shedding and not unlimited
+                            else None, self._admit, self._drop)
         self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock)
         config = replace(setup.controller, ceiling=engine.max_num_seqs,
                          min_seqs=min(setup.controller.min_seqs, engine.max_num_seqs))
+        if unlimited:
+            config = replace(config, ceiling=limit)
         self.loop = AutotuneLoop(Controller(config, limit, history=1_000_000), self.gate,
-                                   self.feed, mode=mode, interval_s=setup.interval_s,
+                                   self.feed, mode="auto" if mode == "auto" else "static",
+                                   interval_s=setup.interval_s,
                                    gpu=_NoGpu(), clock=self.clock)
+        self.loop.controller.set_capacity(engine.kv_capacity_tokens)
         self.limits: list[tuple[float, int]] = [(0.0, self.gate.limit)]
 
     def clock(self) -> float:
@@ -479,6 +560,8 @@ class Simulation:
                 encoder_budget -= seq.image_tokens
         dt = (eng.step_base_s + eng.step_per_seq_s * len(scheduled)
               + eng.step_per_prefill_token_s * prefill + eng.step_per_image_token_s * encoded)
+        if eng.step_per_kv_token_s:
+            dt += eng.step_per_kv_token_s * sum(seq.computed + n for seq, n in scheduled)
         return scheduled, dt, preempted
 
     def _complete(self, scheduled: list[tuple[_Seq, int]], preempted: int) -> None:
@@ -486,13 +569,15 @@ class Simulation:
         now = self.now
         ttfts: list[float] = []
         itls: list[float] = []
-        finished = 0
+        finished = prompt_done = 0
         for seq, n in scheduled:
             seq.computed += n
             if seq.computed < seq.prompt + seq.generated:
                 continue  # a prefill chunk that did not reach the end of the prompt
             seq.generated += 1
             result = seq.result
+            if seq.generated == 1:
+                prompt_done += seq.prompt
             if result.first_token_s is None:
                 result.first_token_s = now
                 ttfts.append(now - result.admitted_s)
@@ -514,7 +599,7 @@ class Simulation:
         self.feed.record(
             SchedulerStats(len(self.running), len(self.waiting),
                            self.kv_used_blocks / eng.num_gpu_blocks),
-            IterationStats(preempted, ttfts, itls, done))
+            IterationStats(preempted, prompt_done, ttfts, itls, done))
 
     def _finish(self, seq: _Seq, done: list[FinishedRequestStats]) -> None:
         """Free a finished sequence's blocks and slot; report it like vLLM does."""
@@ -571,7 +656,7 @@ class Simulation:
             else:
                 break
             self.gate.expire()
-        label = "auto" if self.mode == "auto" else f"L={self.gate.limit}"
+        label = self.mode if self.mode != "static" else f"L={self.gate.limit}"
         return RunResult(label, self.results, self.limits,
                          list(self.loop.controller.decisions), self.preemptions,
                          self.steps, self.now)

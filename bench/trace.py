@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: Typical upload sizes (width, height) in pixels: phone photos, screenshots, scans, charts.
 IMAGE_SIZES = ((4032, 3024), (3024, 4032), (1920, 1080), (1280, 720), (1024, 768),
@@ -78,7 +78,9 @@ class Phase:
         burst_factor: (min, max) multiplier of the rate inside a burst.
         output_tokens: (min, max) answer length in tokens, uniform; None: the kind's default
             (chat 16-160, vision 60-300, long 500-1000).
-        num_crops: (min, max) Phi-3-vision ``num_crops`` of the images (vision only).
+        num_crops: (min, max) Phi-3-vision ``num_crops`` of the images (vision and chat).
+        image_share: fraction of ``chat`` requests that carry one image (0-1).
+        images: (min, max) images per ``vision`` request.
     """
 
     name: str
@@ -90,6 +92,8 @@ class Phase:
     burst_factor: tuple[float, float] = (2.0, 4.0)
     output_tokens: tuple[int, int] | None = None
     num_crops: tuple[int, int] = (4, 16)
+    image_share: float = 0.0
+    images: tuple[int, int] = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -134,9 +138,17 @@ def _request(rng: random.Random, phase: Phase) -> tuple[int, int, int, int]:
         raise ValueError(f"unknown request kind {phase.kind!r}")
     lo, hi = phase.output_tokens or OUTPUT_TOKENS[phase.kind]
     if phase.kind == "chat":
-        return _lognormal_int(rng, 250, 0.6, 20, 1500), 0, 0, rng.randint(lo, hi)
+        prompt = _lognormal_int(rng, 250, 0.6, 20, 1500)
+        if phase.image_share and rng.random() < phase.image_share:
+            img = image_tokens(*rng.choice(IMAGE_SIZES), rng.randint(*phase.num_crops))
+            return prompt + img, img, 1, rng.randint(lo, hi)
+        return prompt, 0, 0, rng.randint(lo, hi)
     if phase.kind == "vision":
-        images = 1 if rng.random() < 0.6 else 2
+        few, many = phase.images
+        if few == many or rng.random() < 0.6:
+            images = few
+        else:  # (no draw for the default (1, 2): the seeded traces stay what they were)
+            images = many if many == few + 1 else rng.randint(few + 1, many)
         num_crops = rng.randint(*phase.num_crops)
         img = sum(image_tokens(*rng.choice(IMAGE_SIZES), num_crops) for _ in range(images))
         text = _lognormal_int(rng, 80, 0.5, 10, 500)
@@ -219,3 +231,165 @@ def cpu_trace(seed: int = 0, phase_s: float = 25.0) -> Trace:
               **bursts),
         Phase("C-long", phase_s, 1.5, "long", output_tokens=(200, 400), **bursts),
     ), seed)
+
+
+# --- The trace suite (issue 12): six workloads, each scaled to the engine's capacity ---------
+#
+# Request shapes, from public workload statistics:
+# - chat prompts: lognormal, median 250 tokens (a few turns of history: LMSYS-Chat-1M reports
+#   69.5 prompt and 214.5 response tokens per turn, Zheng et al., ICLR 2024, table 1; ShareGPT
+#   161 input / 338 output tokens, Kwon et al., SOSP 2023, section 6.1);
+# - chat answers: uniform 16-400 tokens (mean 208, LMSYS-Chat-1M's 214.5);
+# - images: the upload sizes of IMAGE_SIZES (12 MP phone photos 4032x3024, the default of
+#   current phone cameras; HD screenshots; scans), at the server's num_crops: 16 on GPU gives
+#   1,921 (4:3) to 2,509 (square) tokens per image, 1 on CPU 313;
+# - long answers (T4): uniform 1,000-2,000 tokens (long-form generation, LongWriter-style
+#   requests; the issue's range).
+
+#: Share of chat requests that carry one image (image-and-text chat).
+CHAT_IMAGE_SHARE = 0.3
+#: The suite's trace names, in order.
+SUITE = ("T1", "T2", "T3", "T4", "T5", "T6")
+#: What each trace is (for tables and the README).
+SUITE_DESCRIPTIONS = {
+    "T1": "steady chat (30 % with an image) at 60 % of capacity",
+    "T2": "on/off: idle, then 2x max_num_seqs requests at once, 3 times",
+    "T3": "image-heavy (one num_crops=16 image each) at 120 % of capacity",
+    "T4": "long answers (1-2k tokens) at capacity: KV-cache pressure",
+    "T5": "the phase trace: chat, vision, long answers, bursts in each",
+    "T6": "sustained overload: chat at 2x capacity",
+}
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What one engine sustains: saturated throughput per request mix, and its ceiling.
+
+    Attributes:
+        chat_rps: finished requests/s of the chat mix (T1, T2, T6) with a full backlog.
+        vision_rps: the same for T3's image requests.
+        long_rps: the same for T4's long answers.
+        ceiling: the engine's ``max_num_seqs``, requests.
+        num_crops: ``num_crops`` of the images, (min, max).
+        chat_output_tokens: (min, max) answer length of chat requests, tokens.
+    """
+
+    chat_rps: float
+    vision_rps: float
+    long_rps: float
+    ceiling: int
+    num_crops: tuple[int, int] = (16, 16)
+    chat_output_tokens: tuple[int, int] = (16, 400)
+
+
+def chat_phase(name: str, duration_s: float, rate_per_s: float, capacity: Capacity) -> Phase:
+    """A chat phase of the suite: Poisson, no bursts, ``CHAT_IMAGE_SHARE`` with an image."""
+    return Phase(name, duration_s, rate_per_s, "chat", bursts=0,
+                 output_tokens=capacity.chat_output_tokens, num_crops=capacity.num_crops,
+                 image_share=CHAT_IMAGE_SHARE)
+
+
+def vision_phase(name: str, duration_s: float, rate_per_s: float, capacity: Capacity) -> Phase:
+    """T3's requests: one image at the capacity's ``num_crops`` each, 60-300 output tokens."""
+    return Phase(name, duration_s, rate_per_s, "vision", bursts=0, output_tokens=(60, 300),
+                 num_crops=capacity.num_crops, images=(1, 1))
+
+
+def long_phase(name: str, duration_s: float, rate_per_s: float) -> Phase:
+    """T4's requests: text prompts, 1,000-2,000 output tokens."""
+    return Phase(name, duration_s, rate_per_s, "long", bursts=0, output_tokens=(1000, 2000))
+
+
+def backlog_trace(phase: Phase, n: int, seed: int = 0) -> Trace:
+    """``n`` requests of ``phase``'s kind all arriving within the first millisecond: the
+    saturating load whose throughput defines :class:`Capacity`."""
+    rng = random.Random(seed)
+    requests = tuple(TraceRequest(i, i * 1e-6, *_request(rng, phase), phase.name)
+                     for i in range(n))
+    return Trace((replace(phase, duration_s=1.0),), requests, seed)
+
+
+def on_off_trace(name: str, capacity: Capacity, cycles: int = 3, period_s: float = 45.0,
+                 idle_s: float = 30.0, spread_s: float = 1.0, seed: int = 0) -> Trace:
+    """T2: ``cycles`` periods of ``idle_s`` of silence, then ``2 x ceiling`` chat requests
+    arriving uniformly within ``spread_s`` (a class starting, a batch job, a retry storm)."""
+    rng = random.Random(seed)
+    phase = chat_phase(name, period_s, 1.0, capacity)
+    arrivals = sorted(c * period_s + idle_s + rng.uniform(0, spread_s)
+                      for c in range(cycles) for _ in range(2 * capacity.ceiling))
+    requests = tuple(TraceRequest(i, t, *_request(rng, phase), name)
+                     for i, t in enumerate(arrivals))
+    return Trace((replace(phase, duration_s=cycles * period_s),), requests, seed)
+
+
+def suite(capacity: Capacity, seed: int = 0, scale: float = 1.0,
+          names: tuple[str, ...] = SUITE) -> dict[str, Trace]:
+    """The trace suite for an engine of ``capacity``: ``{name: trace}``, seeded.
+
+    ``scale`` shortens every trace (durations x ``scale``; T2 keeps its 3 bursts with shorter
+    idle gaps): 1.0 on the simulator (2-9 simulated minutes each), ~0.1 on the CPU engine.
+    """
+    c = capacity
+    # T2's quiet spell: long enough for the engine to serve what a burst left queued at the
+    # gateway (its default max_queue, 256, + max_num_seqs in flight), 30-120 s.
+    idle = min(120.0, max(30.0, (256 + c.ceiling) / c.chat_rps))
+    traces = {
+        "T1": lambda: build_trace((chat_phase("T1", 300 * scale, 0.6 * c.chat_rps, c),), seed),
+        "T2": lambda: on_off_trace("T2", c, period_s=(idle + 15) * scale, idle_s=idle * scale,
+                                   seed=seed),
+        "T3": lambda: build_trace((vision_phase("T3", 240 * scale, 1.2 * c.vision_rps, c),),
+                                  seed),
+        "T4": lambda: build_trace((long_phase("T4", 300 * scale, 1.0 * c.long_rps),), seed),
+        "T5": lambda: phase_trace(seed, 180 * scale),
+        "T6": lambda: build_trace((chat_phase("T6", 240 * scale, 2.0 * c.chat_rps, c),), seed),
+    }
+    return {name: traces[name]() for name in names}
+
+
+def concat_traces(traces: dict[str, Trace], gap_s: float) -> tuple[Trace, dict[str, Trace]]:
+    """Play ``traces`` back to back, each followed by ``gap_s`` seconds of silence (for the
+    engine to serve what the trace left, before the next starts): one trace to replay on one
+    server, and each part as its own trace (its phases, requests and duration) to count
+    goodput per part. Phases are renamed ``<part>`` or ``<part>/<phase>``."""
+    phases: list[Phase] = []
+    requests: list[TraceRequest] = []
+    parts: dict[str, Trace] = {}
+    offset = 0.0
+    for name, trace in traces.items():
+        rename = {p.name: name if p.name == name else f"{name}/{p.name}" for p in trace.phases}
+        own_phases = tuple(replace(p, name=rename[p.name]) for p in trace.phases)
+        own = tuple(replace(r, id=len(requests) + i, arrival_s=offset + r.arrival_s,
+                            phase=rename[r.phase]) for i, r in enumerate(trace.requests))
+        parts[name] = Trace(own_phases, own, trace.seed)
+        phases += [*own_phases, Phase(f"{name}/gap", gap_s, 0.0, "chat", bursts=0)]
+        requests += own
+        offset += trace.duration_s + gap_s
+    seed = next(iter(traces.values())).seed if traces else 0
+    return Trace(tuple(phases), tuple(requests), seed), parts
+
+
+#: The real tiny engine on this machine's 2 cores (measured with ``python -m bench.autotune
+#: --cpu-capacity``: a backlog of each mix at ``max_num_seqs`` 32): what the CPU suite's
+#: rates are fractions of. Chat answers are 16-128 tokens (the tiny model's decode speed).
+CPU_CAPACITY = Capacity(chat_rps=8.0, vision_rps=3.0, long_rps=1.0, ceiling=32,
+                        num_crops=(1, 1), chat_output_tokens=(16, 128))
+
+
+def cpu_suite(seed: int = 0, capacity: Capacity = CPU_CAPACITY,
+              phase_s: float = 10.0) -> dict[str, Trace]:
+    """The suite's T1, T2, T5 and T6 at CPU scale (~2 minutes of traffic in all):
+
+    - T1: 20 s of chat at 60 % of ``capacity``;
+    - T2: 3 x (``idle`` s of silence, then 2 x ``max_num_seqs`` chat requests within 1 s),
+      ``idle`` long enough to serve a burst (1.5 x its size / the chat capacity);
+    - T5: :func:`cpu_trace` with ``phase_s`` phases;
+    - T6: 20 s of chat at 2 x ``capacity``.
+    """
+    c = capacity
+    idle = 1.5 * 2 * c.ceiling / c.chat_rps
+    return {
+        "T1": build_trace((chat_phase("T1", 20.0, 0.6 * c.chat_rps, c),), seed),
+        "T2": on_off_trace("T2", c, period_s=idle + 4.0, idle_s=idle, seed=seed),
+        "T5": cpu_trace(seed, phase_s),
+        "T6": build_trace((chat_phase("T6", 20.0, 2.0 * c.chat_rps, c),), seed),
+    }

@@ -11,7 +11,8 @@ Routes owned here:
   booting), 503 once the engine is dead or failed to start (restart me).
 - ``GET /ready``: readiness. 200 only when the engine can serve, else 503 with the phase.
 - ``GET /metrics``: Prometheus text format: vLLM's ``vllm:*`` series and ours, one registry.
-- ``GET /admin/autotuner``: read-only JSON: live limit, signals, last decisions.
+- ``GET /admin/autotuner``: read-only JSON: live limit, signals, last decisions, the
+  KV-safe capacity computed at boot (``kv_capacity``).
 - ``GET /limits``: the request limits clients must respect (image bytes/pixels/count/formats).
 - ``GET /admin/routes``: every route of vLLM's app with its policy from ``serve.routes``.
 
@@ -251,8 +252,12 @@ class Gateway:
             path for path, _ in self.state.vllm_routes)})
 
     async def autotuner_state(self, request: Request) -> Response:
-        """Read-only autotuner state: limit, last signals, recent decisions."""
-        return JSONResponse(self.admission.loop.state())
+        """Read-only autotuner state: limit, last signals, recent decisions, and
+        ``kv_capacity``: the boot figure the autotuner starts from (KV-cache blocks and
+        tokens from vLLM, tokens per request, KV-safe requests; null before the engine is up).
+        (``capacity`` is the limiter's: limit + engine queue.)"""
+        return JSONResponse({**self.admission.loop.state(),
+                             "kv_capacity": self.admission.kv_capacity})
 
     def request_layers(self) -> list[Callable[[ASGIApp], ASGIApp]]:
         """The layers every request to vLLM's app passes, outermost first (auth and the route
@@ -335,10 +340,14 @@ class Gateway:
             # Run vLLM's app lifespan (its periodic stats logging) as vLLM's server would.
             await self._exit_stack.enter_async_context(app.router.lifespan_context(app))
             await self.intake.load_budget(engine, self.settings)
-            kv_tokens = engine_mod.kv_cache_tokens(engine)
-            capacity = self.admission.apply_kv_capacity(self.settings, kv_tokens)
-            log.info("KV cache: %s tokens; KV-safe capacity %s requests; admission limit %d",
-                     kv_tokens, capacity, self.admission.limiter.limit)
+            engine_kv = engine_mod.kv_cache_size(engine)
+            kv_tokens = engine_kv["kv_cache_tokens"] if engine_kv else None
+            capacity = self.admission.apply_kv_capacity(self.settings, kv_tokens, engine_kv)
+            kv = self.admission.kv_capacity or {}
+            log.info("KV cache: %s tokens (%s blocks of %s); %s tokens per request; KV-safe "
+                     "capacity %s requests; admission limit %d", kv_tokens,
+                     kv.get("num_gpu_blocks"), kv.get("block_size"),
+                     kv.get("tokens_per_request"), capacity, self.admission.limiter.limit)
             self.state.openai_app = compose(app, self.request_layers())
             self.admission.loop.start()
             self._exit_stack.push_async_callback(self.admission.loop.stop)

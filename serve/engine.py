@@ -144,12 +144,20 @@ async def build_openai_app(engine: "AsyncLLM", settings: Settings) -> "FastAPI":
     return app
 
 
-def kv_cache_tokens(engine: "AsyncLLM") -> int | None:
-    """The engine's KV-cache capacity in tokens (``num_gpu_blocks x block_size``, the numbers
-    vLLM settled on after profiling memory), or None where vLLM did not report them."""
+def kv_cache_size(engine: "AsyncLLM") -> dict[str, int | None] | None:
+    """The engine's KV cache as vLLM sized it at start, or None where vLLM did not report it.
+
+    Keys: ``num_gpu_blocks``, ``block_size`` (tokens per block), ``kv_cache_tokens``
+    (``num_gpu_blocks x block_size``: the capacity in tokens) and ``kv_cache_memory_bytes``
+    (the explicit size vLLM was given, as on CPU; None where it profiled GPU memory).
+    """
     cache = engine.vllm_config.cache_config
     blocks, block_size = getattr(cache, "num_gpu_blocks", None), cache.block_size
-    return blocks * block_size if blocks and block_size else None
+    if not blocks or not block_size:
+        return None
+    return {"num_gpu_blocks": blocks, "block_size": block_size,
+            "kv_cache_tokens": blocks * block_size,
+            "kv_cache_memory_bytes": getattr(cache, "kv_cache_memory_bytes", None)}
 
 
 def engine_config_summary(engine: "AsyncLLM") -> dict[str, Any]:

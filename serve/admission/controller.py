@@ -39,8 +39,8 @@ from typing import Literal
 Direction = Literal["up", "down", "hold"]
 
 #: ``reason`` label values of ``phi3v_autotuner_decisions_total``.
-REASONS = ("demand", "slo_ttft", "slo_itl", "preemption", "kv_cache", "cooldown", "draining",
-           "steady", "idle", "static", "bound")
+REASONS = ("demand", "kv_fit", "slo_ttft", "slo_itl", "preemption", "kv_cache", "cooldown",
+           "draining", "steady", "idle", "static", "bound")
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,12 @@ class Signals:
         ttft_p90_s: engine-side TTFT p90 over the sliding window, seconds (None: no samples).
         itl_p90_s: inter-token latency p90 over the window, seconds (None: no samples).
         gpu_utilization: 0-1 from NVML, None where unavailable (CPU).
+        mean_request_tokens: mean KV footprint (prompt + generated tokens) of recently
+            finished requests, None before the first.
+        mean_prompt_tokens: mean prompt tokens of recently finished requests, None before
+            the first.
+        prefill_tokens_per_s: prompt tokens/s the engine prefilled on the last burst
+            (:class:`~serve.admission.engine_stats.EngineStatsFeed`), None before one.
     """
 
     t: float
@@ -130,6 +136,9 @@ class Signals:
     ttft_p90_s: float | None = None
     itl_p90_s: float | None = None
     gpu_utilization: float | None = None
+    mean_request_tokens: float | None = None
+    mean_prompt_tokens: float | None = None
+    prefill_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,8 @@ class Controller:
     limit: int
     history: int = 50
     start: int = field(init=False)
+    #: The engine's KV-cache capacity, tokens (None: unknown; see :meth:`set_capacity`).
+    kv_tokens: int | None = field(default=None, init=False)
     _cooldown_until: float = field(default=float("-inf"), init=False)
     decisions: deque = field(init=False)
 
@@ -167,6 +178,38 @@ class Controller:
     def set_start(self, limit: int) -> None:
         """Make ``limit`` (clamped) the starting and idle limit, and the limit now."""
         self.limit = self.start = self._clamp(limit)
+
+    def set_capacity(self, kv_tokens: int | None) -> None:
+        """The engine's KV-cache capacity in tokens (vLLM's ``num_gpu_blocks x block_size``),
+        for :meth:`idle_limit`."""
+        self.kv_tokens = kv_tokens
+
+    def idle_limit(self, s: Signals) -> int:
+        """The limit an idle engine takes the next burst with (requests).
+
+        The smaller of two fits of the traffic seen lately:
+
+        - **KV fit**: requests of ``mean_request_tokens`` that fill the KV cache
+          (``kv_tokens``) to ``kv_high_ratio``; past it vLLM preempts.
+        - **TTFT fit**: prompts of ``mean_prompt_tokens`` the engine prefills within the TTFT
+          target at the throughput it showed on the last burst (``prefill_tokens_per_s``):
+          ``rate x ttft_target / mean_prompt``. A burst admitted past it misses the target
+          anyway and stretches the inter-token latency of everything running.
+
+        ``start`` (the boot figure, which assumes the largest image in every request) until
+        requests have finished, and always where no capacity was set (:meth:`set_capacity`:
+        the server does not set it when the operator pinned ``--admission-limit``).
+        """
+        c = self.config
+        limit = self.start
+        if not self.kv_tokens:
+            return limit  # no capacity given: the start is fixed (or pinned by the operator)
+        if s.mean_request_tokens:
+            limit = math.floor(self.kv_tokens * c.kv_high_ratio / s.mean_request_tokens)
+        if s.prefill_tokens_per_s and s.mean_prompt_tokens:
+            limit = min(limit, math.floor(s.prefill_tokens_per_s * c.ttft_target_s
+                                          / s.mean_prompt_tokens))
+        return self._clamp(limit)
 
     def _clamp(self, n: int) -> int:
         return max(self.config.min_seqs, min(self.config.ceiling, n))
@@ -192,6 +235,18 @@ class Controller:
         gpu_ok = s.gpu_utilization is None or s.gpu_utilization < c.gpu_busy_ratio
         return ttft_ok and itl_ok and gpu_ok
 
+    def kv_fit(self, s: Signals) -> int | None:
+        """Sequences the KV cache holds below ``kv_high_ratio`` at the current mix, or None
+        when unknown (nothing running, no usage reported).
+
+        ``engine_running x kv_high_ratio / kv_cache_usage``: the running sequences' mean
+        share of the cache, extrapolated. An increase past it would be answered by vLLM with
+        preemption (recompute), so the controller does not probe beyond it.
+        """
+        if s.engine_running <= 0 or s.kv_cache_usage <= 0:
+            return None
+        return math.floor(s.engine_running * self.config.kv_high_ratio / s.kv_cache_usage)
+
     def step(self, s: Signals) -> Decision:
         """Decide the next limit from one sample; updates ``self.limit``."""
         c = self.config
@@ -213,10 +268,19 @@ class Controller:
         elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s):
             step = min(c.max_step, max(1, math.ceil(old * c.increase_ratio)))
             new = self._clamp(old + step)
-            direction, reason = ("up", "demand") if new > old else ("hold", "bound")
+            fit = self.kv_fit(s)
+            if fit is not None and new > fit:
+                new = max(old, fit)
+                reason = "kv_fit"
+            else:
+                reason = "demand"
+            direction = "up" if new > old else "hold"
+            if new == old and reason == "demand":
+                reason = "bound"
         elif s.in_flight == 0 and s.pending == 0:
-            new = max(old, self.start)
-            direction, reason = ("up" if new > old else "hold"), "idle"
+            new = self.idle_limit(s)
+            direction = "up" if new > old else "down" if new < old else "hold"
+            reason = "idle"
         else:
             new, direction, reason = old, "hold", "steady"
         self.limit = new

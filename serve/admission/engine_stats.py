@@ -70,6 +70,17 @@ def stalled_s(now: float, last_step_s: float | None, busy_since_s: float | None)
     return now - max(busy_since_s, last_step_s or busy_since_s)
 
 
+#: Finished requests whose size the feed averages (requests): enough for a stable mean of a
+#: mixed workload, few enough that a change of traffic shows within a couple of bursts.
+REQUEST_TOKENS_SAMPLES = 128
+
+
+#: Seconds within which requests count as one burst (arrived together at an idle engine).
+BURST_ARRIVAL_S = 0.25
+#: Fewest requests of a burst whose prefill makes a throughput measurement.
+BURST_MIN_REQUESTS = 4
+
+
 @dataclass
 class EngineStatsFeed:
     """What the last engine steps reported (written by the stat logger, read by the loop)."""
@@ -84,22 +95,84 @@ class EngineStatsFeed:
     last_step_s: float | None = None
     ttft: SlidingWindow = field(init=False)
     itl: SlidingWindow = field(init=False)
+    #: KV footprint (prompt + generated tokens) of the last finished requests.
+    request_tokens: collections.deque = field(init=False)
+    #: Prompt tokens of the last finished requests.
+    prompt_tokens: collections.deque = field(init=False)
+    #: Prompt tokens/s the engine prefilled in the last burst (None: no burst seen yet);
+    #: see :meth:`_burst_prefill`.
+    prefill_tokens_per_s: float | None = None
+    _burst_start_s: float | None = field(default=None, init=False)
+    _burst_tokens: int = field(default=0, init=False)
+    _burst_open: bool = field(default=False, init=False)
+    _burst_count: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.ttft = SlidingWindow(self.window_s, self.clock)
         self.itl = SlidingWindow(self.window_s, self.clock)
+        self.request_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
+        self.prompt_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
+
+    @property
+    def mean_request_tokens(self) -> float | None:
+        """Mean tokens (prompt + generated) of the last :data:`REQUEST_TOKENS_SAMPLES`
+        finished requests: what one request of the current traffic holds in the KV cache at
+        its end. None before the first request finishes."""
+        if not self.request_tokens:
+            return None
+        return sum(self.request_tokens) / len(self.request_tokens)
+
+    @property
+    def mean_prompt_tokens(self) -> float | None:
+        """Mean prompt tokens (image tokens included) of the last finished requests."""
+        if not self.prompt_tokens:
+            return None
+        return sum(self.prompt_tokens) / len(self.prompt_tokens)
+
+    def _burst_prefill(self, now: float, idle_before: bool, iteration_stats) -> None:
+        """Measure the prefill throughput on a burst: requests that reach an idle engine
+        together (within :data:`BURST_ARRIVAL_S`) are prefilled back to back, so the prompt
+        tokens completed divided by the latest of their TTFTs (counted from their arrival
+        at the engine) is the engine's prefill rate, image encoding included. The
+        measurement stops at the first completion of a request that arrived later; it is
+        kept when it covered at least :data:`BURST_MIN_REQUESTS` requests.
+        """
+        if idle_before:
+            self._burst_start_s, self._burst_tokens, self._burst_open = None, 0, True
+            self._burst_count = 0
+        ttfts = iteration_stats.time_to_first_tokens_iter
+        if not self._burst_open or not ttfts:
+            return
+        arrivals = [now - t for t in ttfts]
+        if self._burst_start_s is None:
+            self._burst_start_s = min(arrivals)
+        if max(arrivals) - self._burst_start_s > BURST_ARRIVAL_S:
+            self._burst_open = False
+            return
+        self._burst_tokens += iteration_stats.num_prompt_tokens
+        self._burst_count += len(ttfts)
+        # The latest arrival's TTFT: the time the engine took for the whole group once the
+        # last of it was there (the arrivals' own spread is not prefill time).
+        elapsed = min(ttfts)
+        if self._burst_count >= BURST_MIN_REQUESTS and elapsed > 0:
+            self.prefill_tokens_per_s = self._burst_tokens / elapsed
 
     def record(self, scheduler_stats, iteration_stats) -> None:
         """Absorb one engine step (vLLM ``SchedulerStats`` / ``IterationStats`` or None)."""
-        self.last_step_s = self.clock()
+        now = self.last_step_s = self.clock()
+        idle_before = self.running == 0 and self.waiting == 0
         if scheduler_stats is not None:
             self.running = scheduler_stats.num_running_reqs
             self.waiting = scheduler_stats.num_waiting_reqs
             self.kv_cache_usage = scheduler_stats.kv_cache_usage
         if iteration_stats is not None:
+            self._burst_prefill(now, idle_before, iteration_stats)
             self.preemptions_total += iteration_stats.num_preempted_reqs
             self.ttft.extend(iteration_stats.time_to_first_tokens_iter)
             self.itl.extend(iteration_stats.inter_token_latencies_iter)
+            for done in iteration_stats.finished_requests:
+                self.request_tokens.append(done.num_prompt_tokens + done.num_generation_tokens)
+                self.prompt_tokens.append(done.num_prompt_tokens)
 
 
 def stat_logger_factory(feed: EngineStatsFeed):

@@ -97,6 +97,9 @@ class AutotuneLoop:
             preemptions=preempted,
             ttft_p90_s=self.feed.ttft.percentile(90),
             itl_p90_s=self.feed.itl.percentile(90),
+            mean_request_tokens=self.feed.mean_request_tokens,
+            mean_prompt_tokens=self.feed.mean_prompt_tokens,
+            prefill_tokens_per_s=self.feed.prefill_tokens_per_s,
             gpu_utilization=self.gpu.read(),
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serve.admission.capacity import kv_safe_seqs
+from serve.admission.capacity import kv_safe_seqs, tokens_per_request
 from serve.admission.controller import Controller, ControllerConfig
 from serve.admission.engine_stats import EngineStatsFeed, stat_logger_factory
 from serve.admission.goodput import SloTargets
@@ -26,6 +26,9 @@ class Admission:
     slo: SloTargets
     metrics: Metrics
     middleware: AdmissionMiddleware | None = None
+    #: How the KV-safe capacity was computed (``GET /admin/autotuner`` -> ``kv_capacity``);
+    #: None until the engine reported its KV cache.
+    kv_capacity: dict | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> "Admission":
@@ -60,16 +63,20 @@ class Admission:
         m.slo_itl.set(self.slo.itl_s)
         m.auto_mode.set(1 if self.loop.mode == "auto" else 0)
 
-    def apply_kv_capacity(self, settings: Settings, kv_tokens: int | None) -> int | None:
+    def apply_kv_capacity(self, settings: Settings, kv_tokens: int | None,
+                          engine_kv: dict | None = None) -> int | None:
         """Start the autotuner at the engine's KV-safe capacity (``serve.admission.capacity``).
 
         Only in mode ``auto`` and when ``admission_limit`` was not set explicitly; the limit
-        is also what the controller restores when the engine goes idle.
+        is also what the controller restores when the engine goes idle. The figures are kept
+        in :attr:`kv_capacity`.
 
         Args:
             settings: the server's settings (unresolved: an explicit limit is kept).
             kv_tokens: the engine's KV-cache capacity, tokens (None: unknown, keep the
                 ceiling).
+            engine_kv: what vLLM reported about its KV cache (``serve.engine.kv_cache_size``:
+                blocks, block size, explicit size), copied into :attr:`kv_capacity`.
 
         Returns:
             the KV-safe capacity in requests, or None when ``kv_tokens`` is unknown.
@@ -77,10 +84,29 @@ class Admission:
         if kv_tokens is None:
             return None
         s = settings.resolved()
-        capacity = kv_safe_seqs(kv_tokens, s.num_crops, s.max_num_seqs)
+        capacity = kv_safe_seqs(kv_tokens, s.num_crops, s.max_num_seqs,
+                                max_model_len=s.max_model_len)
         self.metrics.kv_safe_seqs.set(capacity)
+        if engine_kv is None:
+            source = "kv_tokens as given"
+        elif engine_kv.get("kv_cache_memory_bytes"):
+            source = "vLLM num_gpu_blocks x block_size; KV cache sized by kv_cache_memory_bytes"
+        else:
+            source = "vLLM num_gpu_blocks x block_size; KV cache sized by its memory profile"
+        self.kv_capacity = {
+            **(engine_kv or {}),
+            "kv_cache_tokens": kv_tokens,
+            "source": source,
+            "num_crops": s.num_crops,
+            "tokens_per_request": tokens_per_request(s.num_crops,
+                                                     max_model_len=s.max_model_len),
+            "max_num_seqs": s.max_num_seqs,
+            "kv_safe_seqs": capacity,
+        }
         if s.autotune == "auto" and not s.admission_limit_explicit:
             self.loop.controller.set_start(capacity)
+            # ... and learn the idle limit from the traffic (Controller.idle_limit).
+            self.loop.controller.set_capacity(kv_tokens)
             self.limiter.set_limit(self.loop.controller.limit)
         return capacity
 

@@ -9,11 +9,12 @@ import sys
 from tests.helpers import ROOT
 
 #: The algorithm and policy modules: the autotuner's controller, the admission limiter, the
-#: engine-signal window, the KV-capacity planner, the request rules and the route table.
+#: engine-signal window, the KV-safe capacity, the capacity planner (``python -m serve.plan``),
+#: the request rules and the route table.
 PURE_MODULES = (
     "serve.admission.controller", "serve.admission.limiter", "serve.admission.engine_stats",
     "serve.admission.goodput",
-    "serve.admission.capacity", "serve.intake.request", "serve.intake.responses",
+    "serve.admission.capacity", "serve.plan", "serve.intake.request", "serve.intake.responses",
     "serve.routes", "serve.errors",
 )
 HEAVY = ("torch", "transformers", "vllm", "starlette", "numpy", "PIL", "prometheus_client",

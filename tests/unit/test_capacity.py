@@ -68,3 +68,20 @@ def test_autotuner_state_reports_the_limiter():
     assert state["limit"] == state["capacity"] - state["engine_queue"] == 32
     assert state["in_flight"] == state["pending"] == 0 and state["mode"] == "auto"
     json.dumps(state)  # serialisable as the route returns it
+
+
+def test_the_boot_figure_is_kept_for_the_autotuner_route():
+    """``apply_kv_capacity`` records what ``GET /admin/autotuner`` shows as ``kv_capacity``."""
+    from serve.admission.service import Admission
+
+    admission = Admission.from_settings(Settings(device="cpu"))
+    assert admission.kv_capacity is None  # until the engine reports its KV cache
+    engine_kv = {"num_gpu_blocks": 1024, "block_size": 128, "kv_cache_tokens": 131072,
+                 "kv_cache_memory_bytes": 256 * 2**20}
+    assert admission.apply_kv_capacity(Settings(device="cpu"), 131072, engine_kv) == 32
+    kv = admission.kv_capacity
+    assert kv == {**engine_kv, "source": kv["source"], "num_crops": 1,
+                  "tokens_per_request": 313 + TEXT_TOKENS_PER_REQUEST, "max_num_seqs": 32,
+                  "kv_safe_seqs": 32}
+    assert "kv_cache_memory_bytes" in kv["source"]
+    json.dumps(kv)

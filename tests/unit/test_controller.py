@@ -137,3 +137,39 @@ def test_idle_engine_gets_its_start_limit_back():
     assert (back.direction, back.reason, c.limit) == ("up", "idle", 32)
     c.set_start(100)
     assert c.start == c.limit == 64  # clamped to the ceiling
+
+
+def test_increase_stops_where_the_kv_cache_is_full():
+    """A probe never goes past what the KV cache holds at the running requests' mean size:
+    vLLM would answer it with preemption."""
+    c = Controller(CFG, limit=32)
+    # 32 running fill 60 % of the cache: 32 x 0.95 / 0.6 = 50 fit; the step (+8) is inside.
+    assert c.step(busy(0, 32, kv_cache_usage=0.6)).new_limit == 40
+    # 40 running fill 85 %: 44 fit; the step (+10) is cut to 44.
+    d = c.step(busy(2, 40, kv_cache_usage=0.85))
+    assert (d.new_limit, d.direction, d.reason) == (44, "up", "kv_fit")
+    # At the fit, demand alone holds.
+    d = c.step(busy(4, 44, kv_cache_usage=0.94))
+    assert (d.new_limit, d.direction, d.reason) == (44, "hold", "kv_fit")
+
+
+def test_idle_limit_learns_the_traffic():
+    """An idle engine takes the next burst with the smaller of the KV fit and the TTFT fit of
+    the traffic seen lately; the boot start until requests have finished."""
+    c = Controller(dataclasses.replace(DEFAULTS, ceiling=256, ttft_target_s=2.0), limit=15)
+    c.set_capacity(48_000)
+    idle = dict(in_flight=0, pending=0)
+    assert c.idle_limit(Signals(t=0, **idle)) == 15  # nothing observed: the boot figure
+    # 1,000-token requests: 48,000 x 0.95 / 1,000 = 45 fit in the KV cache.
+    kv_only = Signals(t=0, mean_request_tokens=1000.0, **idle)
+    assert c.idle_limit(kv_only) == 45
+    # Prefill at 12,000 tokens/s, 800-token prompts: 30 are prefilled within 2 s.
+    both = Signals(t=0, mean_request_tokens=1000.0, mean_prompt_tokens=800.0,
+                   prefill_tokens_per_s=12_000.0, **idle)
+    assert c.idle_limit(both) == 30
+    d = c.step(dataclasses.replace(both, t=10))
+    assert (d.direction, d.reason, c.limit) == ("up", "idle", 30)
+    # A limit raised past it under load comes back down to it once idle.
+    c.limit = 80
+    d = c.step(dataclasses.replace(both, t=20))
+    assert (d.direction, d.reason, c.limit) == ("down", "idle", 30)

@@ -6,9 +6,9 @@ from dataclasses import astuple, replace
 
 import pytest
 
-from bench.autotune import gpu_setup, sim_report
-from bench.sim import GPU_LIKE, Setup, Simulation, simulate
-from bench.trace import Phase, build_trace, phase_trace
+from bench.autotune import gpu_setup, sim_report, static_limits
+from bench.sim import GPU_LIKE, Setup, Simulation, h200_profile, simulate
+from bench.trace import SUITE, Capacity, Phase, build_trace, phase_trace, suite
 
 SETUP = Setup.default()
 
@@ -114,3 +114,69 @@ def test_auto_goodput_at_least_best_static_on_phase_trace():
     assert report.vs_oracle >= 0.9
     best_by_phase = set(report.oracle_limits.values())
     assert len(best_by_phase) == 3, report.oracle_limits  # the phases really differ
+
+
+#: A capacity like the GPU-like profile's (``measure_capacity``), fixed so the tests are quick.
+CAPACITY = Capacity(chat_rps=4.8, vision_rps=2.7, long_rps=1.0, ceiling=256)
+
+
+@pytest.fixture(scope="module")
+def short_suite():
+    return suite(CAPACITY, seed=0, scale=0.15)
+
+
+def test_suite_traces_are_what_they_say():
+    """Rates, sizes and shapes of the six traces (full length), from the stated statistics."""
+    traces = suite(CAPACITY, seed=0)
+    assert tuple(traces) == SUITE
+    for name, trace in traces.items():
+        assert 120 <= trace.duration_s <= 540, name  # 2-9 simulated minutes
+    rate = {n: len(t.requests) / t.duration_s for n, t in traces.items()}
+    assert rate["T1"] == pytest.approx(0.6 * CAPACITY.chat_rps, rel=0.1)
+    assert rate["T3"] == pytest.approx(1.2 * CAPACITY.vision_rps, rel=0.1)
+    assert rate["T4"] == pytest.approx(1.0 * CAPACITY.long_rps, rel=0.15)
+    assert rate["T6"] == pytest.approx(2.0 * CAPACITY.chat_rps, rel=0.1)
+    assert traces["T5"] == phase_trace(0)
+    t3 = [r.image_tokens for r in traces["T3"].requests]
+    assert min(t3) == 1921 and max(t3) == 2509  # one num_crops=16 image each
+    assert all(1000 <= r.output_tokens <= 2000 for r in traces["T4"].requests)
+    chat = traces["T1"].requests
+    assert 0.25 <= sum(r.images for r in chat) / len(chat) <= 0.35  # 30 % carry an image
+    # T2: idle, then 2 x max_num_seqs at once (within 1 s), three times.
+    arrivals = sorted(r.arrival_s for r in traces["T2"].requests)
+    assert len(arrivals) == 3 * 2 * CAPACITY.ceiling
+    for k in range(3):
+        burst = arrivals[k * 512:(k + 1) * 512]
+        assert burst[-1] - burst[0] <= 1.0
+        if k:
+            assert burst[0] - arrivals[k * 512 - 1] >= 30  # idle in between
+
+
+@pytest.mark.parametrize("name", SUITE)
+@pytest.mark.parametrize("mode,limit", [("auto", None), ("static", 32), ("unlimited", None)])
+def test_suite_invariants(short_suite, name, mode, limit):
+    """On every trace: the KV cache never over capacity, every request ends finished or
+    refused (CheckedSimulation checks the first after every step)."""
+    run = checked_run(short_suite[name], mode, limit)
+    for r in run.requests:
+        assert (r.finish_s is None) != (r.dropped is None), r
+    if mode == "unlimited":  # plain vLLM: no gateway limit, queue or refusal
+        assert all(r.dropped is None and r.admitted_s == r.arrival_s for r in run.requests)
+
+
+def test_static_limits_are_the_powers_of_two_to_the_ceiling():
+    assert static_limits(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert static_limits(32) == (1, 2, 4, 8, 16, 32)
+    assert static_limits(48) == (1, 2, 4, 8, 16, 32, 48)
+
+
+def test_h200_profile_from_first_principles():
+    """The H200 numbers stated in ``bench/sim.py`` (per step: 4.5 ms + 20 us per sequence +
+    15.4 us per prefill token + 4.9 us per image token + 0.10 us per KV token read), and
+    the planner's KV blocks for 141 GB at 0.9 utilisation."""
+    e = h200_profile()
+    assert e.step_base_s == pytest.approx(0.0045, abs=1e-4)
+    assert e.step_per_prefill_token_s == pytest.approx(15.4e-6, rel=0.01)
+    assert e.step_per_image_token_s == pytest.approx(4.9e-6, rel=0.02)
+    assert e.step_per_kv_token_s == pytest.approx(0.10e-6, rel=0.03)
+    assert e.block_size == 16 and 17_000 < e.num_gpu_blocks < 20_000

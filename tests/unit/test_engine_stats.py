@@ -1,0 +1,71 @@
+"""The engine feed: what the autotuner learns from vLLM's stat records (pure logic)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serve.admission.engine_stats import BURST_MIN_REQUESTS, EngineStatsFeed
+
+
+@dataclass
+class Sched:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float = 0.1
+
+
+@dataclass
+class Done:
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class Iter:
+    num_prompt_tokens: int = 0
+    time_to_first_tokens_iter: list = field(default_factory=list)
+    inter_token_latencies_iter: list = field(default_factory=list)
+    finished_requests: list = field(default_factory=list)
+    num_preempted_reqs: int = 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_mean_sizes_of_finished_requests():
+    feed = EngineStatsFeed(clock=Clock())
+    assert feed.mean_request_tokens is None and feed.mean_prompt_tokens is None
+    feed.record(Sched(0, 0), Iter(finished_requests=[Done(900, 100), Done(300, 700)]))
+    assert feed.mean_request_tokens == 1000 and feed.mean_prompt_tokens == 600
+
+
+def test_prefill_rate_measured_on_a_burst():
+    """Eight 1,000-token prompts reach an idle engine together; the fourth to eighth first
+    tokens come 0.5 s and 1 s after they arrived: 8,000 tokens in 1 s."""
+    clock = Clock()
+    feed = EngineStatsFeed(clock=clock)
+    feed.record(Sched(0, 0), None)  # idle
+    clock.t = 100.5
+    feed.record(Sched(8, 4), Iter(4000, [0.5, 0.5, 0.5, 0.5]))
+    assert feed.prefill_tokens_per_s == 4000 / 0.5
+    clock.t = 101.0
+    feed.record(Sched(8, 0), Iter(4000, [1.0] * 4))
+    assert feed.prefill_tokens_per_s == 8000 / 1.0
+    # A request that arrived later ends the measurement: its prefill ran beside decodes.
+    clock.t = 103.0
+    feed.record(Sched(9, 0), Iter(5000, [0.2]))
+    assert feed.prefill_tokens_per_s == 8000.0
+
+
+def test_small_burst_is_not_measured():
+    clock = Clock()
+    feed = EngineStatsFeed(clock=clock)
+    feed.record(Sched(0, 0), None)
+    clock.t = 100.2
+    feed.record(Sched(2, 0), Iter(600, [0.2] * (BURST_MIN_REQUESTS - 1)))
+    assert feed.prefill_tokens_per_s is None
