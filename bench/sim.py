@@ -387,6 +387,7 @@ class SimGate:
 
     def offer(self, result: RequestResult) -> None:
         """A request arrives now: admit, queue or reject it (the middleware's ``_acquire``)."""
+        self.slots.arrived()
         if self.slots.has_room() and not self.queue:
             self.on_admit(result, self.slots.take(result.arrival_s))
             return

@@ -368,10 +368,11 @@ def concat_traces(traces: dict[str, Trace], gap_s: float) -> tuple[Trace, dict[s
     return Trace(tuple(phases), tuple(requests), seed), parts
 
 
-#: The real tiny engine on this machine's 2 cores (measured with ``python -m bench.autotune
-#: --cpu-capacity``: a backlog of each mix at ``max_num_seqs`` 32): what the CPU suite's
-#: rates are fractions of. Chat answers are 16-128 tokens (the tiny model's decode speed).
-CPU_CAPACITY = Capacity(chat_rps=8.0, vision_rps=3.0, long_rps=1.0, ceiling=32,
+#: The real tiny engine on this machine's 2 cores, measured with ``python -m bench.autotune
+#: --cpu-capacity`` (128 requests of each mix at once, ``max_num_seqs`` 32, idle machine):
+#: chat 128 in 13.0 s, one-image requests 128 in 43.0 s, 200-400-token answers 128 in
+#: 18.8 s. What the CPU suite's rates are fractions of. Chat answers are 16-128 tokens.
+CPU_CAPACITY = Capacity(chat_rps=9.8, vision_rps=3.0, long_rps=6.8, ceiling=32,
                         num_crops=(1, 1), chat_output_tokens=(16, 128))
 
 

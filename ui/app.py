@@ -19,14 +19,16 @@ if str(Path(__file__).resolve().parent.parent) not in sys.path:  # `chainlit run
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import chainlit as cl
+import chainlit.server as chainlit_server
 from chainlit.config import SpontaneousFileUploadFeature
 from chainlit.config import config as chainlit_config
 from chainlit.data import get_data_layer
 from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 from chainlit.input_widget import NumberInput, Slider
 from chainlit.server import app as chainlit_app
+from fastapi import HTTPException
 
-from ui import auth, db, history, images
+from ui import auth, db, history, images, uploads
 from ui.api import ApiClient, ServerLimits, Token, Usage
 from ui.errors import ApiError
 from ui.history import ANSWER_KEY, Conversation, HistoryImage, Turn
@@ -34,6 +36,7 @@ from ui.settings import UISettings
 from ui.stats import AnswerStats
 from ui.storage import LocalStorageClient, add_file_route
 from ui.uploads import EmptyUploadGuard
+from ui.users import Accounts, LoginLimiter, UsersFile
 
 #: OpenAI's temperature range.
 TEMPERATURE_MIN, TEMPERATURE_MAX = 0.0, 2.0
@@ -47,6 +50,7 @@ auth.ensure_auth_secret(settings.auth_secret_file)
 add_file_route(chainlit_app, storage,
                owner_of=lambda key: db.element_owner(get_data_layer(), key))
 chainlit_app.add_middleware(EmptyUploadGuard)
+chainlit_app.add_middleware(auth.ClientAddress)
 
 
 # --- helpers used by the handlers -------------------------------------------------------------
@@ -199,11 +203,80 @@ async def on_shutdown() -> None:
     await api.aclose()
 
 
-@cl.password_auth_callback
-def on_login(username: str, password: str) -> cl.User | None:
-    if auth.check_password(settings, username, password):
-        return cl.User(identifier=username, metadata={"provider": "password"})
-    return None
+def register_login() -> None:
+    """Register the Chainlit login callback of ``settings.accounts`` (:mod:`ui.auth`)."""
+    if settings.accounts == "demo":
+        @cl.password_auth_callback
+        async def demo_login(username: str, password: str) -> cl.User | None:
+            if auth.check_password(settings, username, password):
+                return cl.User(identifier=username, metadata={"provider": "demo"})
+            return None
+    elif settings.accounts == "users-file":
+        accounts = Accounts(UsersFile(settings.users_file),
+                            LoginLimiter(settings.login_max_failures, settings.login_window_s))
+
+        @cl.password_auth_callback
+        async def file_login(username: str, password: str) -> cl.User | None:
+            address = auth.CLIENT_ADDRESS.get()
+            if await asyncio.to_thread(accounts.login, username, password, address):
+                return cl.User(identifier=username, metadata={"provider": "users-file"})
+            log.warning("login refused for %r from %s", username[:64], address)
+            return None
+    elif settings.accounts == "header":
+        @cl.header_auth_callback
+        async def header_login(headers) -> cl.User | None:
+            address = auth.CLIENT_ADDRESS.get()
+            name = auth.header_user(headers, address, settings)
+            if name is None:
+                log.warning("header login refused from %s", address)
+                return None
+            return cl.User(identifier=name, metadata={"provider": "header"})
+    else:  # oauth: Chainlit raises at start, naming the variables, when no provider is set
+        @cl.oauth_callback
+        async def oauth_login(provider_id: str, token: str, raw_user_data: dict,
+                              default_user: cl.User, id_token: str | None = None
+                              ) -> cl.User | None:
+            return default_user
+
+
+async def thread_author_or_404(username: str, thread_id: str) -> bool:
+    """Chainlit's thread ownership check (``chainlit.data.acl.is_thread_author``), answering
+    another user's thread like a missing one: 404 (Chainlit's own says 401 "Unauthorized",
+    which tells that the thread exists; for a missing one it fails with a 500)."""
+    try:
+        author = await get_data_layer().get_thread_author(thread_id)
+    except ValueError:
+        author = None
+    if author != username:
+        raise HTTPException(status_code=404, detail="Not found")
+    return True
+
+
+register_login()
+# Every route of Chainlit's server that takes a thread or element id checks its owner here.
+chainlit_server.is_thread_author = thread_author_or_404
+
+
+async def quota_refusal(message: cl.Message) -> str | None:
+    """The refusal of a message whose images would pass the user's storage quota (and its
+    images, already stored by Chainlit, removed again), or None."""
+    files = [el for el in message.elements or [] if el.path]
+    if not settings.user_quota_bytes or not files:
+        return None
+    user = cl.context.session.user
+    stored = await db.user_elements(get_data_layer(), user.identifier)
+    mine = {el.id for el in files}
+    used = sum(storage.size(key) for eid, key in stored.items() if eid not in mine)
+    incoming = sum(Path(el.path).stat().st_size for el in files)
+    refusal = uploads.quota_refusal(used, incoming, settings.user_quota_bytes)
+    if refusal:
+        for _ in range(50):  # Chainlit stores the message's files in a task of its own
+            if mine <= set(await db.user_elements(get_data_layer(), user.identifier)):
+                break
+            await asyncio.sleep(0.1)
+        for el in files:
+            await el.remove()
+    return refusal
 
 
 @cl.on_chat_start
@@ -228,6 +301,10 @@ async def on_stop() -> None:
 @cl.on_message
 async def on_message(message: cl.Message) -> None:
     conversation: Conversation = cl.user_session.get("conversation")
+    refusal = await quota_refusal(message)
+    if refusal:
+        await cl.ErrorMessage(content=refusal).send()
+        return
     try:
         limits = await server_limits()
         prepared = await prepare_attachments(message, limits)

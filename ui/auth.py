@@ -1,18 +1,32 @@
-"""Login for the UI: one demo user (password from settings) and Chainlit's JWT secret.
+"""Login for the UI: the account sources, the proxy check and Chainlit's JWT secret.
 
-History needs an owner, so the UI requires a login (``@cl.password_auth_callback`` in
-``ui/app.py`` calls :func:`check_password`). Chainlit signs its session tokens with
+History needs an owner, so the UI requires a login. ``PHI3V_UI_ACCOUNTS`` picks the source
+(``ui/app.py`` registers the matching Chainlit callback):
+
+- ``demo``: one user from settings (:func:`check_password`);
+- ``users-file``: names and Argon2 hashes (:mod:`ui.users`), failed logins rate-limited;
+- ``oauth``: Chainlit's OAuth providers (their ``OAUTH_*`` environment variables);
+- ``header``: the user name in ``PHI3V_UI_AUTH_HEADER``, accepted only from an address of
+  ``PHI3V_UI_TRUSTED_PROXIES`` (:func:`header_user`).
+
+Chainlit's login callbacks get the name and password, or the headers, but not the client's
+address; :class:`ClientAddress` (an ASGI middleware on the login routes) puts it in
+:data:`CLIENT_ADDRESS` for them. Chainlit signs its session tokens with
 ``CHAINLIT_AUTH_SECRET``; when the environment has none (the demo), :func:`ensure_auth_secret`
 generates one once and keeps it in ``PHI3V_UI_AUTH_SECRET_FILE`` (mode 0600), so logins survive
-restarts. In production set ``CHAINLIT_AUTH_SECRET`` (and ``PHI3V_UI_DEMO_PASSWORD``, or
-replace the callback with OAuth/header auth).
+restarts. In production set ``CHAINLIT_AUTH_SECRET``.
+
+This module imports neither Chainlit nor the API.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hmac
+import ipaddress
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 
 from ui.settings import UISettings
@@ -40,3 +54,53 @@ def check_password(settings: UISettings, username: str, password: str) -> bool:
     user_ok = hmac.compare_digest(username.encode(), settings.demo_user.encode())
     password_ok = hmac.compare_digest(password.encode(), settings.demo_password.encode())
     return user_ok and password_ok
+
+
+#: The client address of the login request being handled ("" outside one).
+CLIENT_ADDRESS: contextvars.ContextVar[str] = contextvars.ContextVar("client_address",
+                                                                     default="")
+#: Chainlit's login routes (password form, header login).
+LOGIN_PATHS = ("/login", "/auth/header")
+
+
+class ClientAddress:
+    """ASGI middleware: set :data:`CLIENT_ADDRESS` from the connection's peer address for
+    requests to :data:`LOGIN_PATHS` (the address the TCP connection came from; forwarded-for
+    headers are not trusted: they are whatever the client wrote)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("path") in LOGIN_PATHS:
+            client = scope.get("client")
+            token = CLIENT_ADDRESS.set(client[0] if client else "")
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                CLIENT_ADDRESS.reset(token)
+            return
+        await self.app(scope, receive, send)
+
+
+def trusted(address: str, networks: list[str]) -> bool:
+    """Whether ``address`` is in one of ``networks`` (addresses or CIDR networks).
+
+    Raises:
+        ValueError: an entry of ``networks`` is not an address or network.
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in ipaddress.ip_network(n, strict=False) for n in networks)
+
+
+def header_user(headers: Mapping[str, str], address: str, settings: UISettings) -> str | None:
+    """The user name an authenticating proxy put in ``settings.auth_header``, or None: when
+    the header is missing or empty, or the request did not come from one of
+    ``settings.trusted_proxies`` (then the header is anyone's to write)."""
+    if not trusted(address, settings.trusted_proxies):
+        return None
+    name = (headers.get(settings.auth_header) or "").strip()
+    return name if name and len(name) <= 256 and name.isprintable() else None

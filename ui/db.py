@@ -3,7 +3,10 @@
 The tables are those Chainlit's ``SQLAlchemyDataLayer`` (2.12) reads and writes: ``users``,
 ``threads``, ``steps``, ``elements``, ``feedbacks``, as in Chainlit's documented PostgreSQL
 schema (docs: Data layers → SQLAlchemy) plus the newer ``steps`` columns the 2.12 code writes
-(``command``, ``defaultOpen``, ``autoCollapse``, ``modes``). One DDL serves both databases:
+(``command``, ``defaultOpen``, ``autoCollapse``, ``modes``), and ``elements.props`` defaults to
+``{}``: the data layer leaves it out of the row of an element without props and then fails
+reading it back (``json.loads(None)``: a 500 for ``GET /project/thread/<id>/element/<id>``).
+One DDL serves both databases:
 PostgreSQL gets ``UUID``/``JSONB``/``TEXT[]``; SQLite, which has none of these, gets ``TEXT``
 (the data layer already parses JSON it reads back as text). Every statement is
 ``CREATE TABLE IF NOT EXISTS``: running it on an existing store changes nothing.
@@ -75,7 +78,7 @@ CREATE TABLE IF NOT EXISTS elements (
     "language" TEXT,
     "forId" {uuid},
     "mime" TEXT,
-    "props" {json},
+    "props" {json} DEFAULT '{{}}',
     "autoPlay" BOOLEAN,
     "playerConfig" {json},
     FOREIGN KEY ("threadId") REFERENCES threads("id") ON DELETE CASCADE
@@ -127,3 +130,13 @@ async def element_owner(data_layer: Any, object_key: str) -> str | None:
         'JOIN threads t ON t."id" = e."threadId" WHERE e."objectKey" = :key',
         {"key": object_key})
     return rows[0]["owner"] if isinstance(rows, list) and rows else None
+
+
+async def user_elements(data_layer: Any, identifier: str) -> dict[str, str]:
+    """``{element id: object key}`` of the stored files in ``identifier``'s threads."""
+    rows = await data_layer.execute_sql(
+        'SELECT e."id" AS id, e."objectKey" AS key FROM elements e '
+        'JOIN threads t ON t."id" = e."threadId" '
+        'WHERE t."userIdentifier" = :user AND e."objectKey" IS NOT NULL',
+        {"user": identifier})
+    return {str(r["id"]): r["key"] for r in rows} if isinstance(rows, list) else {}

@@ -11,7 +11,9 @@ This module imports neither Chainlit nor the API, so it loads in any environment
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -107,10 +109,45 @@ class UISettings(BaseSettings):
     demo_user: str = Field("demo", description="Login name of the demo user.")
     demo_password: str = Field("demo", description="Password of the demo user.")
 
+    # --- accounts (ui/README.md: running the UI for a team) ------------------------------------
+    accounts: Literal["demo", "users-file", "oauth", "header"] = Field(
+        "demo",
+        description="Where logins come from: 'demo' (the one demo user above), 'users-file' "
+        "(names and Argon2 hashes in --users-file, managed with python -m ui.users), 'oauth' "
+        "(Chainlit's OAuth providers, configured by their OAUTH_* environment variables), "
+        "'header' (a user name in --auth-header, set by an authenticating proxy at one of "
+        "--trusted-proxies).",
+    )
+    users_file: Path = Field(
+        DATA_DIR / "users.json", description="The users file of accounts=users-file."
+    )
+    auth_header: str = Field(
+        "X-Forwarded-User",
+        description="Request header holding the user name, with accounts=header.",
+    )
+    trusted_proxies: list[str] = Field(
+        ["127.0.0.1/32", "::1/128"],
+        description="Addresses or networks (CIDR) of the authenticating proxy: with "
+        "accounts=header, a request from anywhere else is refused whatever its headers.",
+    )
+    login_max_failures: int = Field(
+        5, ge=1, description="Failed logins allowed per user name and address in the window."
+    )
+    login_window_s: float = Field(
+        900.0, gt=0, description="Window of login_max_failures, seconds."
+    )
+    user_quota_bytes: int = Field(
+        200 * 2**20, ge=0,
+        description="Bytes of stored images each user may keep (0: no limit); a message whose "
+        "images would pass it is refused with the figures. Deleting a conversation deletes "
+        "its images.",
+    )
+
     def env(self) -> dict[str, str]:
         """These settings as ``PHI3V_UI_*`` variables (hand CLI flags to the Chainlit app)."""
         out = {}
         for name, value in self.model_dump().items():
-            if value is not None:
-                out[f"PHI3V_UI_{name.upper()}"] = str(value)
+            if value is not None:  # lists as JSON, as pydantic-settings reads them back
+                out[f"PHI3V_UI_{name.upper()}"] = (json.dumps(value) if isinstance(value, list)
+                                                   else str(value))
         return out

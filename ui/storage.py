@@ -65,6 +65,13 @@ class LocalStorageClient(BaseStorageClient):
         await asyncio.to_thread(write)
         return {"object_key": object_key, "url": await self.get_read_url(object_key)}
 
+    def size(self, object_key: str) -> int:
+        """Bytes of the file at ``object_key`` (0 when there is none)."""
+        try:
+            return self.path(object_key).stat().st_size
+        except (FileNotFoundError, ValueError):
+            return 0
+
     async def read_file(self, object_key: str) -> bytes:
         return await asyncio.to_thread(self.path(object_key).read_bytes)
 

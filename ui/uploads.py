@@ -64,3 +64,18 @@ class EmptyUploadGuard:
             return messages.pop(0) if messages else await receive()
 
         await self.app(scope, replay, send)
+
+
+def quota_refusal(used: int, incoming: int, quota: int) -> str | None:
+    """The refusal for a message whose files would take a user past their storage quota, or
+    None. ``used``: bytes the user's stored files take now; ``incoming``: bytes of this
+    message's files; ``quota``: ``PHI3V_UI_USER_QUOTA_BYTES`` (0: no quota)."""
+    if not quota or used + incoming <= quota:
+        return None
+
+    def mb(n: int) -> str:
+        return f"{n / 2**20:.1f} MB"
+
+    return (f"Not sent: your stored images take {mb(used)} of your {mb(quota)}, and this "
+            f"message's {mb(incoming)} would not fit. Delete old conversations (their images "
+            "go with them) to make room.")

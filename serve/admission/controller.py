@@ -5,15 +5,20 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
 - **Decrease** multiplicatively (``limit * decrease_factor``) on any sign of overload:
   engine-side TTFT p90 or ITL p90 over target, a preemption since the last tick, or KV-cache
   usage at/above ``kv_high_ratio``. Then hold for ``cooldown_s`` so the effect can show before
-  the next move.
+  the next move: no increase, and no further cut on latency (the window still holds the old
+  limit's samples); a preemption or a full KV cache still cuts at once.
 - **Increase** additively (``max(1, ceil(limit * increase_ratio))``, at most ``max_step``)
   only when the limit is what binds (in-flight >= limit), requests are queued at the gateway,
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
-  already saturated).
-- **Restore** on idle (nothing in flight, nothing queued, no overload): the limit goes back
-  to ``start`` (the KV-safe capacity computed at boot). Whatever made it lower is in the
-  past, and an idle engine must take the next burst at once instead of queueing it behind a
-  limit learnt under another load.
+  already saturated); never past the **KV fit** (running x ``kv_high_ratio`` / KV usage:
+  what the cache holds at the running requests' mean size; past it vLLM preempts).
+- **Restore** on idle (nothing in flight or queued, nothing arrived since the last sample):
+  the limit becomes :meth:`Controller.idle_limit`: the boot figure (``start``, the KV-safe
+  capacity), or once requests have finished what the recent traffic fits: the smaller of its
+  KV fit and its TTFT fit (prompts the engine prefills within the TTFT target at the rate
+  it showed on the last burst). Whatever made the limit lower or higher is in the past, and
+  an idle engine must take the next burst at once. A server refusing every arrival is empty,
+  not idle: it keeps its limit.
 - **Hold** otherwise (the band between ``headroom`` x target and target is the hysteresis
   that prevents oscillation under steady load), and also on a latency breach while the last
   decrease is still draining (in-flight > limit): those slow samples come from requests
@@ -118,6 +123,8 @@ class Signals:
         ttft_p90_s: engine-side TTFT p90 over the sliding window, seconds (None: no samples).
         itl_p90_s: inter-token latency p90 over the window, seconds (None: no samples).
         gpu_utilization: 0-1 from NVML, None where unavailable (CPU).
+        arrivals: requests that arrived since the previous sample (admitted, queued or
+            refused; None: unknown).
         mean_request_tokens: mean KV footprint (prompt + generated tokens) of recently
             finished requests, None before the first.
         mean_prompt_tokens: mean prompt tokens of recently finished requests, None before
@@ -136,6 +143,7 @@ class Signals:
     ttft_p90_s: float | None = None
     itl_p90_s: float | None = None
     gpu_utilization: float | None = None
+    arrivals: int | None = None
     mean_request_tokens: float | None = None
     mean_prompt_tokens: float | None = None
     prefill_tokens_per_s: float | None = None
@@ -257,6 +265,11 @@ class Controller:
             # the late samples of requests admitted under the old limit would cut again and
             # again (windup, seen on the real CPU engine). Hard signals still cut at once.
             new, direction, reason = old, "hold", "draining"
+        elif reason in ("slo_ttft", "slo_itl") and s.t < self._cooldown_until:
+            # The latency window still holds samples from before the last decrease: wait
+            # for the cooldown before cutting on latency again (on the CPU engine, one
+            # overload cut the limit 32 -> 8 in seven 1-s ticks on the same stale p90).
+            new, direction, reason = old, "hold", "cooldown"
         elif reason is not None:
             new = self._clamp(math.floor(old * c.decrease_factor))
             self._cooldown_until = s.t + c.cooldown_s
@@ -277,7 +290,9 @@ class Controller:
             direction = "up" if new > old else "hold"
             if new == old and reason == "demand":
                 reason = "bound"
-        elif s.in_flight == 0 and s.pending == 0:
+        elif s.in_flight == 0 and s.pending == 0 and not s.arrivals:
+            # Idle: nothing in flight or queued, and nothing arrived since the last sample
+            # (a server shedding every arrival under overload is empty, not idle).
             new = self.idle_limit(s)
             direction = "up" if new > old else "down" if new < old else "hold"
             reason = "idle"

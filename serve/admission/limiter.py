@@ -90,6 +90,8 @@ class LimiterSnapshot:
     in_flight: int
     pending: int
     completion_rate: float | None
+    #: Requests that arrived so far (admitted, queued or refused), a running count.
+    arrivals: int = 0
 
 
 class SlotCounter:
@@ -128,6 +130,7 @@ class SlotCounter:
         self.on_free = on_free
         self._limit = limit
         self._in_flight = 0
+        self._arrivals = 0
         #: (time, busy seconds so far) of each completion in the window.
         self._completions: collections.deque[tuple[float, float]] = collections.deque()
         self._busy_total_s = 0.0
@@ -233,10 +236,16 @@ class SlotCounter:
             return None
         return (position + 1) / rate
 
+    def arrived(self) -> None:
+        """Count a request arriving (whatever then becomes of it): the autotuner tells an
+        idle server from one that refuses everything."""
+        self._arrivals += 1
+
     def snapshot(self, pending: int) -> LimiterSnapshot:
         """What the autotuner reads each tick, with ``pending`` requests in the caller's
         queue."""
-        return LimiterSnapshot(self._limit, self._in_flight, pending, self.completion_rate())
+        return LimiterSnapshot(self._limit, self._in_flight, pending, self.completion_rate(),
+                               self._arrivals)
 
     def retry_after_s(self, pending: int) -> int:
         """Suggested ``Retry-After`` in whole seconds (1..60) behind ``pending`` queued
@@ -337,6 +346,7 @@ class AdmissionLimiter:
                 left the queue and holds no slot.
         """
         start = self._clock()
+        self.slots.arrived()
         if self._closed:
             raise Rejected(UNAVAILABLE, 1, self._closed_message)
         if self.slots.has_room() and not self.pending:

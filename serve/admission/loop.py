@@ -76,6 +76,7 @@ class AutotuneLoop:
         self.metrics = metrics if metrics is not None else Metrics()
         self._clock = clock
         self._last_preemptions = feed.preemptions_total
+        self._last_arrivals = limiter.snapshot().arrivals
         self.last_signals: Signals | None = None
         self._task: asyncio.Task | None = None
         self.limiter.set_limit(controller.limit)
@@ -85,6 +86,8 @@ class AutotuneLoop:
         snap = self.limiter.snapshot()
         preempted = self.feed.preemptions_total - self._last_preemptions
         self._last_preemptions = self.feed.preemptions_total
+        arrivals = snap.arrivals - self._last_arrivals
+        self._last_arrivals = snap.arrivals
         return Signals(
             t=self._clock(),
             pending=snap.pending,
@@ -95,6 +98,7 @@ class AutotuneLoop:
             engine_waiting=self.feed.waiting,
             kv_cache_usage=self.feed.kv_cache_usage,
             preemptions=preempted,
+            arrivals=arrivals,
             ttft_p90_s=self.feed.ttft.percentile(90),
             itl_p90_s=self.feed.itl.percentile(90),
             mean_request_tokens=self.feed.mean_request_tokens,

@@ -59,11 +59,17 @@ def test_decrease_on_slo_breach_ttft_and_itl_and_kv():
     assert c.limit == 13
 
 
-def test_decrease_applies_during_cooldown():
+def test_during_cooldown_only_hard_signals_cut_again():
+    """After a decrease the latency window still holds the old limit's samples: a latency
+    breach waits out the cooldown (no windup); a preemption or a full KV cache cuts at once."""
     c = Controller(CFG, limit=32)
     c.step(busy(0, 32, preemptions=1))
     d = c.step(busy(1, 24, ttft_p90_s=3.0))
+    assert (d.direction, d.reason, d.new_limit) == ("hold", "cooldown", 24)
+    d = c.step(busy(2, 24, preemptions=2))
     assert d.direction == "down" and d.new_limit == 18
+    d = c.step(busy(9, 18, ttft_p90_s=3.0))  # the cooldown (6 s) is over
+    assert (d.direction, d.reason, d.new_limit) == ("down", "slo_ttft", 13)
 
 
 def test_bounds_honoured():
@@ -121,8 +127,11 @@ def test_no_windup_while_a_decrease_drains():
     # A hard signal (preemption) still cuts while draining.
     d = c.step(busy(2, 24, in_flight=30, preemptions=1))
     assert (d.direction, d.reason) == ("down", "preemption")
-    # Drained below the limit and still slow: cut again.
+    # Drained below the limit, still slow, but inside the cooldown: the samples are old.
     d = c.step(busy(3, 18, in_flight=18, ttft_p90_s=3.0))
+    assert (d.direction, d.reason) == ("hold", "cooldown")
+    # Past the cooldown and still slow: cut again.
+    d = c.step(busy(9, 18, in_flight=18, ttft_p90_s=3.0))
     assert d.direction == "down"
 
 
