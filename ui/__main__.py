@@ -24,6 +24,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["CHAINLIT_APP_ROOT"] = str(UI_DIR)
     os.environ["CHAINLIT_HOST"] = settings.host
     os.environ["CHAINLIT_PORT"] = str(settings.port)
+    if settings.accounts == "header":
+        # uvicorn replaces the client address with X-Forwarded-For's from loopback peers;
+        # header logins must be judged on the TCP peer (the proxy) itself.
+        os.environ["FORWARDED_ALLOW_IPS"] = ""
 
     from ui.auth import ensure_auth_secret
 

@@ -38,6 +38,8 @@ from ui.storage import LocalStorageClient, add_file_route
 from ui.uploads import EmptyUploadGuard
 from ui.users import Accounts, LoginLimiter, UsersFile
 
+#: Argon2 verifications run at once (each ~64 MiB of memory, ~0.1 s of one core).
+ARGON2_CONCURRENCY = 2
 #: OpenAI's temperature range.
 TEMPERATURE_MIN, TEMPERATURE_MAX = 0.0, 2.0
 
@@ -215,10 +217,16 @@ def register_login() -> None:
         accounts = Accounts(UsersFile(settings.users_file),
                             LoginLimiter(settings.login_max_failures, settings.login_window_s))
 
+        # One Argon2 check holds ~64 MiB for ~0.1 s: at most ARGON2_CONCURRENCY at once, so a
+        # flood of logins waits instead of exhausting the UI's memory.
+        checks = asyncio.Semaphore(ARGON2_CONCURRENCY)
+
         @cl.password_auth_callback
         async def file_login(username: str, password: str) -> cl.User | None:
-            address = auth.CLIENT_ADDRESS.get()
-            if await asyncio.to_thread(accounts.login, username, password, address):
+            address = auth.client_key(auth.CLIENT_ADDRESS.get())
+            async with checks:
+                ok = await asyncio.to_thread(accounts.login, username, password, address)
+            if ok:
                 return cl.User(identifier=username, metadata={"provider": "users-file"})
             log.warning("login refused for %r from %s", username[:64], address)
             return None
@@ -236,7 +244,13 @@ def register_login() -> None:
         async def oauth_login(provider_id: str, token: str, raw_user_data: dict,
                               default_user: cl.User, id_token: str | None = None
                               ) -> cl.User | None:
-            return default_user
+            if not auth.oauth_allowed(default_user.identifier, settings.oauth_allowed):
+                log.warning("OAuth login of %r (%s) is not in PHI3V_UI_OAUTH_ALLOWED",
+                            default_user.identifier, provider_id)
+                return None
+            # Scoped by provider: the same e-mail at another provider is another account.
+            return cl.User(identifier=f"{provider_id}:{default_user.identifier}",
+                           metadata={**default_user.metadata, "provider": provider_id})
 
 
 async def thread_author_or_404(username: str, thread_id: str) -> bool:

@@ -83,24 +83,57 @@ class ClientAddress:
         await self.app(scope, receive, send)
 
 
+def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``address`` parsed, an IPv4-mapped IPv6 address as its IPv4 (None if not an IP)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped or ip
+
+
+def client_key(address: str) -> str:
+    """The login limiter's key for a client address: the address itself for IPv4 (mapped
+    IPv6 included), its /64 network for IPv6 (one host owns a whole /64: per-address keys
+    would give it unlimited guesses)."""
+    ip = _ip(address)
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip) if ip else address
+
+
 def trusted(address: str, networks: list[str]) -> bool:
     """Whether ``address`` is in one of ``networks`` (addresses or CIDR networks).
 
     Raises:
         ValueError: an entry of ``networks`` is not an address or network.
     """
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
+    ip = _ip(address)
+    if ip is None:
         return False
     return any(ip in ipaddress.ip_network(n, strict=False) for n in networks)
 
 
 def header_user(headers: Mapping[str, str], address: str, settings: UISettings) -> str | None:
     """The user name an authenticating proxy put in ``settings.auth_header``, or None: when
-    the header is missing or empty, or the request did not come from one of
+    the header is missing, empty or given more than once (a proxy that appends its own
+    would leave the client's forged one first), or the request did not come from one of
     ``settings.trusted_proxies`` (then the header is anyone's to write)."""
     if not trusted(address, settings.trusted_proxies):
         return None
-    name = (headers.get(settings.auth_header) or "").strip()
+    values = (headers.getlist(settings.auth_header) if hasattr(headers, "getlist")
+              else [v for k, v in headers.items() if k.lower() == settings.auth_header.lower()])
+    if len(values) != 1:
+        return None
+    name = values[0].strip()
     return name if name and len(name) <= 256 and name.isprintable() else None
+
+
+def oauth_allowed(identifier: str, allowed: list[str]) -> bool:
+    """Whether the OAuth user ``identifier`` (the provider's e-mail or login) may log in:
+    it is in ``allowed``, or ``allowed`` holds its e-mail domain as ``@domain``. An empty
+    list lets nobody in: any account of a public provider could log in otherwise."""
+    name = identifier.strip().lower()
+    domain = "@" + name.rsplit("@", 1)[1] if "@" in name else None
+    return any(a.strip().lower() in (name, domain) for a in allowed)

@@ -130,6 +130,11 @@ class UISettings(BaseSettings):
         description="Addresses or networks (CIDR) of the authenticating proxy: with "
         "accounts=header, a request from anywhere else is refused whatever its headers.",
     )
+    oauth_allowed: list[str] = Field(
+        [],
+        description="With accounts=oauth, who may log in: e-mail addresses or logins, and "
+        "'@domain' for a whole e-mail domain (a JSON list). Empty: nobody.",
+    )
     login_max_failures: int = Field(
         5, ge=1, description="Failed logins allowed per user name and address in the window."
     )

@@ -29,10 +29,14 @@ This module imports neither Chainlit nor the API, so it loads in any environment
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import getpass
 import json
+import logging
 import os
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -41,6 +45,8 @@ from pathlib import Path
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
+
+log = logging.getLogger("ui.users")
 
 #: Longest accepted user name and password (characters): bounds the work of one login.
 MAX_NAME = 64
@@ -82,14 +88,34 @@ class UsersFile:
         return users
 
     def save(self, users: dict[str, dict]) -> None:
-        """Write atomically (a temporary file renamed over the old one), mode 0600."""
+        """Write atomically (a temporary file of its own, synced, renamed over the old one),
+        mode 0600."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"users": users}, f, indent=1, sort_keys=True)
-            f.write("\n")
-        tmp.replace(self.path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"users": users}, f, indent=1, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the file's lock (``flock`` on ``<file>.lock``) for a read-modify-write:
+        two commands at once must not lose each other's change."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     @staticmethod
     def check_name(name: str) -> str:
@@ -113,31 +139,35 @@ class UsersFile:
         self.check_name(name)
         if not MIN_PASSWORD <= len(password) <= MAX_PASSWORD:
             raise UsersFileError(f"password must be {MIN_PASSWORD}-{MAX_PASSWORD} characters")
-        users = self.load()
-        if new and name in users:
-            raise UsersFileError(f"user {name!r} exists (reset changes the password)")
-        if not new and name not in users:
-            raise UsersFileError(f"no user {name!r}")
-        entry = users.get(name, {"locked": False})
-        entry["hash"] = self.hasher.hash(password)
-        users[name] = entry
-        self.save(users)
+        hashed = self.hasher.hash(password)
+        with self.locked():
+            users = self.load()
+            if new and name in users:
+                raise UsersFileError(f"user {name!r} exists (reset changes the password)")
+            if not new and name not in users:
+                raise UsersFileError(f"no user {name!r}")
+            entry = users.get(name, {"locked": False})
+            entry["hash"] = hashed
+            users[name] = entry
+            self.save(users)
 
     def set_locked(self, name: str, locked: bool) -> None:
         """Lock or unlock ``name``. Raises :class:`UsersFileError` for an unknown name."""
-        users = self.load()
-        if name not in users:
-            raise UsersFileError(f"no user {name!r}")
-        users[name]["locked"] = locked
-        self.save(users)
+        with self.locked():
+            users = self.load()
+            if name not in users:
+                raise UsersFileError(f"no user {name!r}")
+            users[name]["locked"] = locked
+            self.save(users)
 
     def remove(self, name: str) -> None:
         """Remove ``name`` (their conversations stay in the store). Raises
         :class:`UsersFileError` for an unknown name."""
-        users = self.load()
-        if users.pop(name, None) is None:
-            raise UsersFileError(f"no user {name!r}")
-        self.save(users)
+        with self.locked():
+            users = self.load()
+            if users.pop(name, None) is None:
+                raise UsersFileError(f"no user {name!r}")
+            self.save(users)
 
 
 class LoginLimiter:
@@ -207,7 +237,12 @@ class Accounts:
         except FileNotFoundError:
             return {}
         if self._cache is None or self._cache[0] != mtime:
-            self._cache = (mtime, self.users.load())
+            try:
+                self._cache = (mtime, self.users.load())
+            except UsersFileError as exc:
+                # A broken edit must not lock everyone out: keep the last good copy.
+                log.error("%s; logins use the last good copy", exc)
+                return self._cache[1] if self._cache else {}
         return self._cache[1]
 
     def login(self, name: str, password: str, address: str) -> bool:
@@ -233,7 +268,10 @@ class Accounts:
             return False
         self.limiter.succeeded(name, address)
         if self.users.hasher.check_needs_rehash(stored):
-            self.users.set_password(name, password, new=False)
+            try:
+                self.users.set_password(name, password, new=False)
+            except (OSError, UsersFileError) as exc:  # read-only file, an old short password
+                log.warning("could not upgrade %r's password hash: %s", name, exc)
         return True
 
 

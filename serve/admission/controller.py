@@ -5,8 +5,8 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
 - **Decrease** multiplicatively (``limit * decrease_factor``) on any sign of overload:
   engine-side TTFT p90 or ITL p90 over target, a preemption since the last tick, or KV-cache
   usage at/above ``kv_high_ratio``. Then hold for ``cooldown_s`` so the effect can show before
-  the next move: no increase, and no further cut on latency (the window still holds the old
-  limit's samples); a preemption or a full KV cache still cuts at once.
+  the next move: no increase, and no further cut on latency or KV usage (they still reflect
+  the old limit); a preemption still cuts at once.
 - **Increase** additively (``max(1, ceil(limit * increase_ratio))``, at most ``max_step``)
   only when the limit is what binds (in-flight >= limit), requests are queued at the gateway,
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
@@ -46,6 +46,11 @@ Direction = Literal["up", "down", "hold"]
 #: ``reason`` label values of ``phi3v_autotuner_decisions_total``.
 REASONS = ("demand", "kv_fit", "slo_ttft", "slo_itl", "preemption", "kv_cache", "cooldown",
            "draining", "steady", "idle", "static", "bound")
+
+
+#: Overload signals that lag a decrease (latency windows, KV usage): no second cut while the
+#: last one drains or cools down. A preemption is news: it always cuts.
+SOFT_REASONS = ("slo_ttft", "slo_itl", "kv_cache")
 
 
 @dataclass(frozen=True)
@@ -260,15 +265,16 @@ class Controller:
         c = self.config
         old = self.limit
         reason = self.overload_reason(s)
-        if reason in ("slo_ttft", "slo_itl") and s.in_flight > old:
+        if reason in SOFT_REASONS and s.in_flight > old:
             # The last decrease is still draining (lowering never aborts running requests):
             # the late samples of requests admitted under the old limit would cut again and
             # again (windup, seen on the real CPU engine). Hard signals still cut at once.
             new, direction, reason = old, "hold", "draining"
-        elif reason in ("slo_ttft", "slo_itl") and s.t < self._cooldown_until:
-            # The latency window still holds samples from before the last decrease: wait
-            # for the cooldown before cutting on latency again (on the CPU engine, one
-            # overload cut the limit 32 -> 8 in seven 1-s ticks on the same stale p90).
+        elif reason in SOFT_REASONS and s.t < self._cooldown_until:
+            # The latency window (and the KV cache, which empties only as requests finish)
+            # still reflect the limit before the last decrease: wait for the cooldown before
+            # cutting on them again (on the CPU engine, one overload cut the limit 32 -> 8 in
+            # seven 1-s ticks on the same stale p90).
             new, direction, reason = old, "hold", "cooldown"
         elif reason is not None:
             new = self._clamp(math.floor(old * c.decrease_factor))

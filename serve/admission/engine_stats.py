@@ -79,6 +79,9 @@ REQUEST_TOKENS_SAMPLES = 128
 BURST_ARRIVAL_S = 0.25
 #: Fewest requests of a burst whose prefill makes a throughput measurement.
 BURST_MIN_REQUESTS = 4
+#: Seconds a prefill-rate measurement stays valid: a low one (which would keep bursts below
+#: BURST_MIN_REQUESTS) must not pin the idle limit forever.
+PREFILL_RATE_TTL_S = 600.0
 
 
 @dataclass
@@ -99,9 +102,8 @@ class EngineStatsFeed:
     request_tokens: collections.deque = field(init=False)
     #: Prompt tokens of the last finished requests.
     prompt_tokens: collections.deque = field(init=False)
-    #: Prompt tokens/s the engine prefilled in the last burst (None: no burst seen yet);
-    #: see :meth:`_burst_prefill`.
-    prefill_tokens_per_s: float | None = None
+    _prefill_rate: float | None = field(default=None, init=False)
+    _prefill_rate_s: float = field(default=0.0, init=False)
     _burst_start_s: float | None = field(default=None, init=False)
     _burst_tokens: int = field(default=0, init=False)
     _burst_open: bool = field(default=False, init=False)
@@ -129,6 +131,15 @@ class EngineStatsFeed:
             return None
         return sum(self.prompt_tokens) / len(self.prompt_tokens)
 
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens/s the engine prefilled in the last burst (:meth:`_burst_prefill`),
+        None before one or when older than :data:`PREFILL_RATE_TTL_S`."""
+        if self._prefill_rate is None or self.clock() - self._prefill_rate_s > \
+                PREFILL_RATE_TTL_S:
+            return None
+        return self._prefill_rate
+
     def _burst_prefill(self, now: float, idle_before: bool, iteration_stats) -> None:
         """Measure the prefill throughput on a burst: requests that reach an idle engine
         together (within :data:`BURST_ARRIVAL_S`) are prefilled back to back, so the prompt
@@ -155,7 +166,7 @@ class EngineStatsFeed:
         # last of it was there (the arrivals' own spread is not prefill time).
         elapsed = min(ttfts)
         if self._burst_count >= BURST_MIN_REQUESTS and elapsed > 0:
-            self.prefill_tokens_per_s = self._burst_tokens / elapsed
+            self._prefill_rate, self._prefill_rate_s = self._burst_tokens / elapsed, now
 
     def record(self, scheduler_stats, iteration_stats) -> None:
         """Absorb one engine step (vLLM ``SchedulerStats`` / ``IterationStats`` or None)."""

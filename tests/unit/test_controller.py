@@ -182,3 +182,16 @@ def test_idle_limit_learns_the_traffic():
     c.limit = 80
     d = c.step(dataclasses.replace(both, t=20))
     assert (d.direction, d.reason, c.limit) == ("down", "idle", 30)
+
+
+def test_full_kv_cache_cuts_once_then_waits_for_it_to_drain():
+    """KV usage falls only as requests finish: after one cut, a still-full cache holds (no
+    cut per tick down to the floor); a preemption still cuts."""
+    c = Controller(CFG, limit=64)
+    assert c.step(busy(0, 64, kv_cache_usage=0.96)).new_limit == 48
+    d = c.step(busy(2, 48, in_flight=64, kv_cache_usage=0.96))
+    assert (d.direction, d.reason) == ("hold", "draining")
+    d = c.step(busy(4, 48, kv_cache_usage=0.96))
+    assert (d.direction, d.reason) == ("hold", "cooldown")
+    d = c.step(busy(5, 48, kv_cache_usage=0.96, preemptions=1))
+    assert (d.direction, d.reason) == ("down", "preemption")

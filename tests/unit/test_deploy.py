@@ -186,8 +186,8 @@ def ui_setting_names() -> set[str]:
     return set(re.findall(r"^    (\w+): .*= Field\(", text, flags=re.M))
 
 
-#: Environment variables the images read that are not our settings: Chainlit's own.
-FOREIGN_ENV = {"CHAINLIT_AUTH_SECRET"}
+#: Environment variables the images read that are not our settings: Chainlit's and uvicorn's.
+FOREIGN_ENV = {"CHAINLIT_AUTH_SECRET", "FORWARDED_ALLOW_IPS"}
 
 
 def env_names(prefix: str, fields: set[str], env: dict) -> None:

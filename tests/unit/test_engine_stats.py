@@ -69,3 +69,16 @@ def test_small_burst_is_not_measured():
     clock.t = 100.2
     feed.record(Sched(2, 0), Iter(600, [0.2] * (BURST_MIN_REQUESTS - 1)))
     assert feed.prefill_tokens_per_s is None
+
+
+def test_prefill_rate_expires():
+    from serve.admission.engine_stats import PREFILL_RATE_TTL_S
+
+    clock = Clock()
+    feed = EngineStatsFeed(clock=clock)
+    feed.record(Sched(0, 0), None)
+    clock.t = 100.5
+    feed.record(Sched(8, 0), Iter(4000, [0.5] * 4))
+    assert feed.prefill_tokens_per_s == 8000
+    clock.t += PREFILL_RATE_TTL_S + 1
+    assert feed.prefill_tokens_per_s is None

@@ -151,3 +151,65 @@ def test_quota_refusal_names_the_figures():
     assert uploads.quota_refusal(2**20, 2**20, 2 * 2**20) is None  # exactly full
     text = uploads.quota_refusal(150 * 2**20, 60 * 2**20, 200 * 2**20)
     assert "150.0 MB of your 200.0 MB" in text and "60.0 MB" in text
+
+
+def test_client_keys_group_ipv6_by_64_and_unmap_ipv4():
+    assert auth.client_key("2001:db8::1") == auth.client_key("2001:db8::2") == "2001:db8::/64"
+    assert auth.client_key("::ffff:10.0.0.1") == auth.client_key("10.0.0.1") == "10.0.0.1"
+    assert auth.trusted("::ffff:127.0.0.1", ["127.0.0.1/32"])
+
+
+def test_header_given_twice_is_refused():
+    """A proxy that appends its own header leaves the client's forged one first."""
+    from starlette.datastructures import Headers
+
+    settings = UISettings(accounts="header", trusted_proxies=["127.0.0.1"])
+    twice = Headers(raw=[(b"x-forwarded-user", b"mallory"), (b"x-forwarded-user", b"alice")])
+    assert auth.header_user(twice, "127.0.0.1", settings) is None
+    once = Headers(raw=[(b"x-forwarded-user", b"alice")])
+    assert auth.header_user(once, "127.0.0.1", settings) == "alice"
+
+
+def test_oauth_needs_an_allow_list():
+    allowed = ["alice@example.com", "@corp.example"]
+    assert auth.oauth_allowed("Alice@Example.com", allowed)
+    assert auth.oauth_allowed("bob@corp.example", allowed)
+    assert not auth.oauth_allowed("bob@corp.example.evil", allowed)
+    assert not auth.oauth_allowed("carol@example.com", allowed)
+    assert not auth.oauth_allowed("alice@example.com", [])  # empty: nobody
+
+
+def test_concurrent_changes_keep_every_user(tmp_path):
+    import threading
+
+    users = UsersFile(tmp_path / "users.json")
+    names = [f"user{i}" for i in range(6)]
+    threads = [threading.Thread(target=users.set_password, args=(n, "long enough", True))
+               for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(users.load()) == names
+
+
+class ReadOnlyUsersFile(UsersFile):
+    """A users file on a read-only mount (a Kubernetes Secret or ConfigMap)."""
+
+    def save(self, users):
+        raise OSError(30, "Read-only file system")
+
+
+def test_broken_file_and_readonly_rehash_do_not_break_logins(tmp_path):
+    weak = UsersFile(tmp_path / "users.json", PasswordHasher(time_cost=1, memory_cost=8192))
+    weak.set_password("alice", "correct horse", new=True)
+    old = weak.load()["alice"]["hash"]
+    accounts = Accounts(ReadOnlyUsersFile(weak.path), LoginLimiter(5, 60))
+    assert accounts.login("alice", "correct horse", "::1")  # the upgrade fails, not the login
+    assert weak.load()["alice"]["hash"] == old
+    weak.path.write_text("{ not json")  # a broken edit: the last good copy is used
+    import os
+
+    os.utime(weak.path, (1, 1))
+    assert accounts.login("alice", "correct horse", "::1")
+    assert not accounts.login("alice", "wrong password", "::1")
