@@ -2,7 +2,8 @@
 
 Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
 
-- **Decrease** multiplicatively (``limit * decrease_factor``) on any sign of overload:
+- **Decrease** multiplicatively (``limit * decrease_factor``, or ``* target / measured`` when
+  a latency is further over its target, at most halving) on any sign of overload:
   engine-side TTFT p90 or ITL p90 over target, a preemption since the last tick, or KV-cache
   usage at/above ``kv_high_ratio``. Then hold for ``cooldown_s`` so the effect can show before
   the next move: no increase, and no further cut on latency or KV usage (they still reflect
@@ -26,12 +27,13 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
 - Bounds ``[min_seqs, ceiling]`` always; ``ceiling`` is the engine's ``--max-num-seqs``.
 
 Sources: Netflix concurrency-limits ``AIMDLimit`` / ``Gradient2Limit`` (multiplicative backoff
-on a latency signal, additive probe; algorithm separate from enforcement), Envoy adaptive
-concurrency filter (periodic sampling interval, named constants, min/max bounds), TCP
-congestion avoidance (AIMD, Chiu & Jain 1989) and DistServe (Zhong et al., OSDI 2024) for the
-objective: goodput = completed requests per second meeting both their TTFT and ITL (TPOT)
-targets. The latency signals are measured *engine-side* (from admission, excluding the
-gateway queue) so that queueing caused by a too-small limit is read as demand, not as overload.
+on a latency signal, scaled by target / measured; additive probe; algorithm separate from
+enforcement), Envoy adaptive concurrency filter (periodic sampling interval, named constants,
+min/max bounds), TCP congestion avoidance (AIMD, Chiu & Jain 1989) and DistServe (Zhong et
+al., OSDI 2024) for the objective: goodput = completed requests per second meeting both
+their TTFT and ITL (TPOT) targets. The latency signals are measured *engine-side* (from
+admission, excluding the gateway queue) so that queueing caused by a too-small limit is read
+as demand, not as overload.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ REASONS = ("demand", "kv_fit", "slo_ttft", "slo_itl", "preemption", "kv_cache", 
            "draining", "steady", "idle", "static", "bound")
 
 
+#: Deepest single cut on a latency breach (fraction of the limit kept).
+MIN_CUT_FACTOR = 0.5
 #: Overload signals that lag a decrease (latency windows, KV usage): no second cut while the
 #: last one drains or cools down. A preemption is news: it always cuts.
 SOFT_REASONS = ("slo_ttft", "slo_itl", "kv_cache")
@@ -248,6 +252,17 @@ class Controller:
         gpu_ok = s.gpu_utilization is None or s.gpu_utilization < c.gpu_busy_ratio
         return ttft_ok and itl_ok and gpu_ok
 
+    def _cut_factor(self, reason: str, s: Signals) -> float:
+        """How much to keep on a cut: ``decrease_factor``, or less when a latency is far over
+        its target: ``target / measured`` (Netflix Gradient2's ratio; latency grows at
+        least linearly with the batch past saturation), never below :data:`MIN_CUT_FACTOR`."""
+        c = self.config
+        measured, target = {"slo_ttft": (s.ttft_p90_s, c.ttft_target_s),
+                            "slo_itl": (s.itl_p90_s, c.itl_target_s)}.get(reason, (None, None))
+        if not measured:
+            return c.decrease_factor
+        return max(MIN_CUT_FACTOR, min(c.decrease_factor, target / measured))
+
     def kv_fit(self, s: Signals) -> int | None:
         """Sequences the KV cache holds below ``kv_high_ratio`` at the current mix, or None
         when unknown (nothing running, no usage reported).
@@ -277,7 +292,7 @@ class Controller:
             # seven 1-s ticks on the same stale p90).
             new, direction, reason = old, "hold", "cooldown"
         elif reason is not None:
-            new = self._clamp(math.floor(old * c.decrease_factor))
+            new = self._clamp(math.floor(old * self._cut_factor(reason, s)))
             self._cooldown_until = s.t + c.cooldown_s
             direction: Direction = "down" if new < old else "hold"
             if new == old:

@@ -51,12 +51,22 @@ def test_decrease_on_preemption_then_cooldown():
 
 def test_decrease_on_slo_breach_ttft_and_itl_and_kv():
     c = Controller(CFG, limit=32)
-    assert c.step(busy(0, 32, ttft_p90_s=1.5)).reason == "slo_ttft"
+    assert c.step(busy(0, 32, ttft_p90_s=1.2)).reason == "slo_ttft"
     assert c.limit == 24
-    assert c.step(busy(10, 24, itl_p90_s=0.2)).reason == "slo_itl"
+    assert c.step(busy(10, 24, itl_p90_s=0.12)).reason == "slo_itl"
     assert c.limit == 18
     assert c.step(busy(20, 18, kv_cache_usage=0.97)).reason == "kv_cache"
     assert c.limit == 13
+
+
+def test_a_latency_far_over_target_cuts_deeper():
+    """target / measured when that is below decrease_factor (Gradient2), at most by half."""
+    c = Controller(CFG, limit=32)
+    assert c.step(busy(0, 32, ttft_p90_s=1.5)).new_limit == 21  # x 1.0/1.5
+    c = Controller(CFG, limit=32)
+    assert c.step(busy(0, 32, itl_p90_s=1.0)).new_limit == 16  # x 0.1, floored at 0.5
+    c = Controller(CFG, limit=32)
+    assert c.step(busy(0, 32, preemptions=1)).new_limit == 24  # hard signals: x 0.75
 
 
 def test_during_cooldown_only_hard_signals_cut_again():
@@ -68,7 +78,7 @@ def test_during_cooldown_only_hard_signals_cut_again():
     assert (d.direction, d.reason, d.new_limit) == ("hold", "cooldown", 24)
     d = c.step(busy(2, 24, preemptions=2))
     assert d.direction == "down" and d.new_limit == 18
-    d = c.step(busy(9, 18, ttft_p90_s=3.0))  # the cooldown (6 s) is over
+    d = c.step(busy(9, 18, ttft_p90_s=1.2))  # the cooldown (6 s) is over
     assert (d.direction, d.reason, d.new_limit) == ("down", "slo_ttft", 13)
 
 
@@ -120,7 +130,7 @@ def test_no_oscillation_in_steady_load():
 
 def test_no_windup_while_a_decrease_drains():
     c = Controller(CFG, limit=32)
-    assert c.step(busy(0, 32, ttft_p90_s=3.0)).new_limit == 24
+    assert c.step(busy(0, 32, ttft_p90_s=1.2)).new_limit == 24
     # 32 requests admitted under the old limit still run: their late TTFTs are not news.
     d = c.step(busy(1, 24, in_flight=32, ttft_p90_s=3.0))
     assert (d.direction, d.reason, d.new_limit) == ("hold", "draining", 24)
