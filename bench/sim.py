@@ -108,11 +108,10 @@ H200_BW_EFFICIENCY = 0.8
 H200_MFU = 0.5
 #: Phi-3-vision: 3.8 B language-model parameters (Phi-3-mini) + the CLIP ViT-L/14-336 vision
 #: tower (0.30 B; 577 positions per 336-px crop, 144 image tokens per crop after the 2x2
-#: merge), bf16 (2 bytes). KV cache: 32 layers x (K, V) x 32 heads x 96 dims x 2 bytes =
-#: 393,216 bytes (384 KiB) per token (no GQA).
+#: merge), bf16 (2 bytes). KV bytes per token: the planner's ``kv_bytes_per_token`` of the
+#: full config (32 layers x (K, V) x 32 heads x 96 dims x 2 bytes = 384 KiB, no GQA).
 PHI3V_LM_PARAMS = 3.8e9
 PHI3V_CLIP_PARAMS = 0.30e9
-PHI3V_KV_BYTES_PER_TOKEN = 393_216
 #: vLLM V1's per-step CPU work with CUDA graphs (scheduling, input preparation, sampling,
 #: detokenisation): ~2.5 ms per step, measured on H100-class hosts in vLLM's V1 design notes.
 STEP_CPU_OVERHEAD_S = 0.0025
@@ -139,7 +138,7 @@ def h200_profile() -> EngineConfig:
     :class:`~serve.settings.Settings`.
     """
     from serve.models.build import model_config
-    from serve.plan import Deployment, ModelShape, gpu_kv_cache_bytes, plan_row
+    from serve.plan import Deployment, ModelShape, gpu_kv_cache_bytes, kv_bytes_per_token, plan_row
 
     shape = ModelShape.from_config(model_config("full"), "bfloat16")
     dep = Deployment()
@@ -151,7 +150,7 @@ def h200_profile() -> EngineConfig:
         step_per_seq_s=20e-6,
         step_per_prefill_token_s=2 * PHI3V_LM_PARAMS / flops,
         step_per_image_token_s=2 * PHI3V_CLIP_PARAMS * 577 / 144 / flops,
-        step_per_kv_token_s=PHI3V_KV_BYTES_PER_TOKEN / bw,
+        step_per_kv_token_s=kv_bytes_per_token(shape) / bw,
         block_size=dep.block_size, num_gpu_blocks=row.blocks)
 
 
