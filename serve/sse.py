@@ -66,8 +66,13 @@ def is_event_stream(start: dict) -> bool:
 
 
 def _holds(data: bytes, prefixes: tuple[bytes, ...]) -> bool:
-    """Whether an event of ``data`` starts with one of ``prefixes``."""
-    return any(data.startswith(m) or b"\n" + m in data for m in prefixes)
+    """Whether an event of ``data`` starts with one of ``prefixes``. Runs on every streamed
+    chunk: a plain substring test first (C speed, false for almost every chunk), the position
+    check only on a hit."""
+    for m in prefixes:
+        if m in data and (data.startswith(m) or b"\n" + m in data):
+            return True
+    return False
 
 
 CHAT_SSE = SseDialect(CHAT, (b"data: [DONE]",), (), chunks=True)

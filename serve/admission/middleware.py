@@ -67,23 +67,29 @@ class ResponseTracker:
         """``send`` that records the answer as it goes to the client (until :meth:`cut`)."""
         self._client_send = send
 
+        sse, times, clock = self.sse, self.chunk_times, self.clock
+
         async def tracked(message: Message) -> None:
+            # Runs for every streamed token: locals, and one substring search per test.
             if self.is_cut:
                 return
-            if message["type"] == "http.response.start":
-                self.status = message["status"]
-                self.streaming = is_event_stream(message)
-            elif message["type"] == "http.response.body":
+            if message["type"] == "http.response.body":
                 chunk = message.get("body", b"")
                 if chunk:
-                    if not self.streaming or self.sse.carries_tokens(chunk):
-                        self.chunk_times.append(self.clock())
-                    if self.streaming:
-                        self.done_marker = self.done_marker or self.sse.has_done(chunk)
-                    elif len(self.body) < 1 << 20:
-                        self.body.extend(chunk)
+                    if not self.streaming:
+                        times.append(clock())
+                        if len(self.body) < 1 << 20:
+                            self.body.extend(chunk)
+                    else:
+                        if sse.carries_tokens(chunk):
+                            times.append(clock())
+                        if not self.done_marker:
+                            self.done_marker = sse.has_done(chunk)
                 if not message.get("more_body", False):
                     self.finished = True
+            elif message["type"] == "http.response.start":
+                self.status = message["status"]
+                self.streaming = is_event_stream(message)
             await send(message)
         return tracked
 

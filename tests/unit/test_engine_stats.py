@@ -82,3 +82,22 @@ def test_prefill_rate_expires():
     assert feed.prefill_tokens_per_s == 8000
     clock.t += PREFILL_RATE_TTL_S + 1
     assert feed.prefill_tokens_per_s is None
+
+
+def test_sliding_window_keeps_steps_whole_and_bounded():
+    from serve.admission.engine_stats import SlidingWindow
+
+    clock = Clock()
+    window = SlidingWindow(10.0, clock, max_samples=6)
+    window.extend([0.1, 0.2, 0.3])  # one engine step's samples, one stamp
+    clock.t += 5
+    window.extend([0.4, 0.5])
+    window.extend([])  # a step without samples adds nothing
+    assert len(window) == 5 and window.percentile(100) == 0.5 and window.percentile(1) == 0.1
+    window.add(0.9)
+    window.add(1.0)  # 7 > max_samples: the oldest step goes, whole
+    assert len(window) == 4 and window.percentile(1) == 0.4
+    clock.t += 5.5  # the step stamped at t=105 is still inside 10 s, none older is left
+    assert len(window) == 4
+    clock.t += 10
+    assert len(window) == 0 and window.percentile(90) is None

@@ -325,3 +325,39 @@ def test_empty_delta_detection():
     assert not empty_delta(chunk({"content": ""}, finish="stop"))
     assert not empty_delta(chunk({"content": ""}, usage={"completion_tokens": 3}))
     assert not empty_delta({"object": "chat.completion.chunk", "choices": []})
+
+
+async def test_guard_hot_path_forwards_vllm_messages_as_sent():
+    """An ordinary token chunk reaches the client as the very message vLLM sent (no copy, no
+    parse); chunks split or merged across messages, and vLLM's compact abort chunk, still get
+    the full rule."""
+    from serve.streamguard import ordinary_chunk
+
+    token = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,'
+             b'"delta":{"content":"hi"},"logprobs":null,"finish_reason":null}]}\n\n')
+    abort = token.replace(b'"finish_reason":null', b'"finish_reason":"abort"')
+    assert ordinary_chunk(token)
+    assert not any(map(ordinary_chunk, (abort, token + token, token[:-1], b"data: [DONE]\n\n",
+                                        b'data: {"error":{"message":"x"}}\n\n')))
+    message = {"type": "http.response.body", "body": token, "more_body": True}
+    sent = []
+
+    async def upstream(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send(message)
+        await send({"type": "http.response.body", "body": token + token[:20], "more_body": True})
+        await send({"type": "http.response.body", "body": token[20:], "more_body": True})
+        await send({"type": "http.response.body", "body": abort, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def send(m):
+        sent.append(m)
+
+    await StreamGuardMiddleware(upstream)({"type": "http", "path": "/v1/chat/completions"},
+                                          None, send)
+    assert sent[1] is message
+    events = [e for e in b"".join(m.get("body", b"") for m in sent[1:]).split(b"\n\n") if e]
+    assert events[:3] == [token[:-2]] * 3
+    assert len(events) == 4 and b'"error"' in events[3] and b"abort" in events[3]
