@@ -10,7 +10,11 @@ apply):
 - **raw**: vLLM's own OpenAI server, ``python -m vllm.entrypoints.openai.api_server`` with
   :func:`serve.engine.vllm_cli_args` (derived from the same settings) and the same
   environment (:meth:`Settings.engine_env`: offline, in-process engine core, OMP threads);
-- **sequential**: ours pinned at admission limit 1 (``--autotune static --admission-limit 1``).
+- **sequential**: ours pinned at admission limit 1 (``--autotune static --admission-limit 1``);
+- **raw2**: a second raw vLLM, identical to the first: the **A/A control**. It runs the W1
+  text cell at c=16 (8 segment pairs) beside the other two, so the run also prints how far two
+  identical servers differ here (``raw2/raw``, ideally 1.00): the noise floor against which
+  our cost is read.
 
 All three stay up (an idle server uses ~0.02 cores) and the workloads of
 :mod:`bench.workloads` alternate between them, swapping the order half-way, so a slow spell of
@@ -27,7 +31,12 @@ itl_p99=X rss_peak=X burst_non200=N ours/sequential throughput@16=X
 Each ours/raw ratio is the worst over W1's concurrencies where several apply (the highest for
 latencies, the lowest for throughput); a W1 cell's ratio is the median of the ratios of its
 back-to-back segment pairs (:func:`paired_ratio`), since this machine's speed drifts by up
-to ~15 % between identical runs a minute apart.
+to ~15 % between identical runs a minute apart (measured A/A: single pairs of identical
+servers differ by up to 7 %). The text cells, where our per-request and per-token cost shows
+most, run the most and the longest segments (:data:`W1_PLAN`). The line before the last one
+gives the A/A control::
+
+    noise A/A raw2/raw throughput=X ttft_p50=X (W1 text c=16)
 """
 
 from __future__ import annotations
@@ -54,10 +63,21 @@ from bench.process import (
 )
 from serve.admission.engine_stats import percentile
 
-#: W1's prompts per segment, by kind and concurrency. A cell runs 4 segments per side (2 when a
-#: segment holds 64 prompts), the order of the sides alternating: ~5 min in all on this CPU.
-W1_PROMPTS = {"text": {1: 12, 4: 24, 16: 32, 64: 64}, "image": {1: 4, 4: 8, 16: 12, 64: 64}}
+#: W1's plan by kind and concurrency: (prompts per segment, segments per side), the order of
+#: the sides alternating (A B B A ...). Text segments last ~3-6 s each (at least 2 waves of
+#: ``c`` requests: a shorter one is mostly ramp-up and tail), image ones 3-30 s (an image is
+#: ~0.3-0.7 s of CLIP on this CPU): ~9.5 min in all on this CPU, most of the run's 15.
+W1_PLAN = {"text": {1: (12, 4), 4: (32, 4), 16: (64, 8), 64: (128, 4)},
+           "image": {1: (6, 4), 4: (8, 4), 16: (12, 4), 64: (64, 2)}}
+W1_PROMPTS = {kind: {c: plan[0] for c, plan in cells.items()} for kind, cells in W1_PLAN.items()}
 W1_CONCURRENCIES = (1, 4, 16, 64)
+#: Prompts of each of the sequential baseline's two segments in a c=16 cell (it runs the
+#: cell's first and last segment): at limit 1 it serves only ~3 requests/s.
+SEQUENTIAL_PROMPTS = 32
+#: W1 cells the A/A control (``raw2``) joins: the cell with the most segment pairs.
+AA_CELLS = (("text", 16),)
+#: W4 repeats (distinct images each; the order of ours and raw alternating).
+W4_REPEATS = 3
 #: Photos per workload: W2 (one at a time), W3 (conversations x turns), W5 (per repeat),
 #: memory (4 in flight).
 W2_PHOTOS, W3_CONVERSATIONS, W3_TURNS, W5_PHOTOS, MEM_PHOTOS = 6, 2, 4, 3, 8
@@ -90,23 +110,31 @@ def model_dir() -> Path:
     return (ROOT / model).resolve()
 
 
-def start_sides(out: Path, sides: dict[str, Side]) -> None:
-    """Start ours, raw vLLM and the sequential baseline, one after another, into ``sides``
-    (filled as they come up, so the caller can stop what started if a later one fails).
-    ``PHI3V_*`` variables reach all three (raw vLLM through :func:`vllm_cli_args`)."""
+def start_raw(name: str, out: Path, model: Path) -> Side:
+    """Raw vLLM's own OpenAI server on the engine of ``Settings`` (:func:`vllm_cli_args`,
+    :meth:`Settings.engine_env`), log in ``out/logs/NAME.log``."""
     from serve.engine import vllm_cli_args
     from serve.settings import Settings
 
-    model = model_dir()
-    sides["ours"] = Side("ours", start_serve([], out / "logs" / "ours.log", model_dir=model))
     port = free_port()
     settings = Settings(model=str(model), port=port)
-    sides["raw"] = Side("raw", start_process(
+    return Side(name, start_process(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_cli_args(settings)],
-        port, out / "logs" / "raw.log", "/v1/models", env=settings.engine_env()))
+        port, out / "logs" / f"{name}.log", "/v1/models", env=settings.engine_env()))
+
+
+def start_sides(out: Path, sides: dict[str, Side]) -> None:
+    """Start ours, raw vLLM, the sequential baseline and the A/A control (a second raw vLLM),
+    one after another, into ``sides`` (filled as they come up, so the caller can stop what
+    started if a later one fails). ``PHI3V_*`` variables reach all of them (raw vLLM through
+    :func:`vllm_cli_args`)."""
+    model = model_dir()
+    sides["ours"] = Side("ours", start_serve([], out / "logs" / "ours.log", model_dir=model))
+    sides["raw"] = start_raw("raw", out, model)
     sides["sequential"] = Side("sequential", start_serve(
         ["--autotune", "static", "--admission-limit", "1"], out / "logs" / "sequential.log",
         model_dir=model))
+    sides["raw2"] = start_raw("raw2", out, model)
 
 
 def halves(items: list) -> tuple[list, list]:
@@ -143,44 +171,54 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
     for url in pair.values():
         run(w.burst(url, model, warm))
 
-    # W4 first, while both servers are idle: a burst as large as the engine ceiling, twice
-    # (ours, raw, raw, ours) with distinct images; the makespan is the mean of the two.
+    # W4 first, while both servers are idle: a burst as large as the engine ceiling,
+    # W4_REPEATS times (ours, raw, then raw, ours, ...) with distinct images; the ratio is the
+    # median of the back-to-back pairs' (as W1's cells).
     ceiling = run_json(ours + "/admin/autotuner")["config"]["ceiling"]
-    for k, order in enumerate((("ours", "raw"), ("raw", "ours"))):
-        images = w.small_image_urls(sources, ceiling, seed + 100 + k * ceiling)
-        for name in order:
-            results, makespan = run(w.burst(pair[name], model, images))
-            w4 = out[name].setdefault("w4", {"n": ceiling, "makespans_s": [], "non200": 0})
-            w4["makespans_s"].append(makespan)
-            w4["non200"] += sum(1 for r in results if not r.ok)
     for name in pair:
-        out[name]["w4"]["makespan_s"] = statistics.mean(out[name]["w4"]["makespans_s"])
-    print(f"W4 burst of {ceiling} (x2): " + ", ".join(
+        out[name]["w4"] = {"n": ceiling, "makespans_s": [], "non200": 0}
+    for k in range(W4_REPEATS):
+        images = w.small_image_urls(sources, ceiling, seed + 100 + k * ceiling)
+        for name in (("ours", "raw") if k % 2 == 0 else ("raw", "ours")):
+            results, makespan = run(w.burst(pair[name], model, images))
+            out[name]["w4"]["makespans_s"].append(makespan)
+            out[name]["w4"]["non200"] += sum(1 for r in results if not r.ok)
+    for name in pair:
+        out[name]["w4"]["makespan_s"] = statistics.median(out[name]["w4"]["makespans_s"])
+    print(f"W4 burst of {ceiling} (x{W4_REPEATS}): " + ", ".join(
         f"{n} {out[n]['w4']['makespan_s']:.2f} s non-200 {out[n]['w4']['non200']}"
         for n in pair), flush=True)
 
     # W1: vLLM's serving benchmark per kind and concurrency, in segments of distinct prompts
-    # whose order of sides alternates (A B B A ...); sequential joins the c=16 cells.
-    out["sequential"] = {}
-    for kind, per_segment in W1_PROMPTS.items():
+    # whose order of sides alternates (A B B A ...); sequential joins the c=16 cells (first
+    # and last segment), the A/A control the AA_CELLS.
+    out["sequential"], out["raw2"] = {}, {}
+    for kind, cells in W1_PLAN.items():
         for c in W1_CONCURRENCIES:
-            names = ["ours", "raw", *(["sequential"] if c == 16 else [])]
+            prompts, segments = cells[c]
+            names = ["ours", "raw", *(["raw2"] if (kind, c) in AA_CELLS else []),
+                     *(["sequential"] if c == 16 else [])]
             runs: dict[str, list[dict]] = {n: [] for n in names}
-            segments = 2 if per_segment[c] >= 64 else 4
+            started = time.monotonic()
             for k in range(segments):
                 segment_seed = seed * 100_000 + c * 100 + k * 10 + (5 if kind == "image" else 0)
                 for name in (names if k % 2 == 0 else names[::-1]):
+                    n = prompts
+                    if name == "sequential":
+                        if k not in (0, segments - 1):
+                            continue
+                        n = min(prompts, SEQUENTIAL_PROMPTS)
                     url = sides[name].server.base_url
                     runs[name].append(w.serving_benchmark(
-                        url, tokenizer_dir, model, kind, c, per_segment[c], segment_seed, log))
+                        url, tokenizer_dir, model, kind, c, n, segment_seed, log))
             for name in names:
                 pooled = w.pool_runs(runs[name])
                 pooled["segments"] = [w.pool_runs([one]) for one in runs[name]]
                 out[name].setdefault("w1", {}).setdefault(kind, {})[str(c)] = pooled
             print(f"W1 {kind} c={c}: " + ", ".join(
                 f"{n} {out[n]['w1'][kind][str(c)]['request_throughput']:.2f} req/s TTFT p50 "
-                f"{out[n]['w1'][kind][str(c)]['median_ttft_ms']:.0f} ms" for n in names),
-                flush=True)
+                f"{out[n]['w1'][kind][str(c)]['median_ttft_ms']:.0f} ms" for n in names)
+                + f" ({time.monotonic() - started:.0f} s)", flush=True)
 
     # W2: distinct phone photos, one at a time.
     for part, order in zip(halves(w2), (("ours", "raw"), ("raw", "ours")), strict=False):
@@ -248,13 +286,20 @@ def summarize(m: dict) -> dict:
                 for k, c in cells}
 
     ttft, thr = cell_ratio("median_ttft_ms"), cell_ratio("request_throughput")
+    aa = m.get("raw2", {}).get("w1", {})
+    aa_cells = [(k, str(c)) for k, c in AA_CELLS if str(c) in aa.get(k, {})]
+    aa_thr = {f"{k} c={c}": paired_ratio(aa[k][c], r["w1"][k][c], "request_throughput")
+              for k, c in aa_cells}
+    aa_ttft = {f"{k} c={c}": paired_ratio(aa[k][c], r["w1"][k][c], "median_ttft_ms")
+               for k, c in aa_cells}
     med = statistics.median
     ratios = {
         "ttft_p50": max(ttft.values()),
         "throughput": min(thr.values()),
         "photo_ttft": med(o["w2_ttft_s"]) / med(r["w2_ttft_s"]),
         "multiturn_ttft": med(_flat(o["w3_ttft_s"])) / med(_flat(r["w3_ttft_s"])),
-        "burst_makespan": o["w4"]["makespan_s"] / r["w4"]["makespan_s"],
+        "burst_makespan": statistics.median(
+            a / b for a, b in zip(o["w4"]["makespans_s"], r["w4"]["makespans_s"], strict=False)),
         # Paired like W1: the median over repeats of the two sides' back-to-back p99 ratio.
         "itl_p99": statistics.median(a / b for a, b in zip(o["w5_p99_by_repeat_s"],
                                                             r["w5_p99_by_repeat_s"], strict=False)),
@@ -264,7 +309,10 @@ def summarize(m: dict) -> dict:
                                           / m["sequential"]["w1"]["text"]["16"]
                                           ["request_throughput"]),
     }
-    return {"ratios": ratios, "ttft_by_cell": ttft, "throughput_by_cell": thr}
+    noise = {"throughput": min(aa_thr.values()), "ttft_p50": max(aa_ttft.values())} \
+        if aa_cells else None
+    return {"ratios": ratios, "ttft_by_cell": ttft, "throughput_by_cell": thr,
+            "aa_throughput_by_cell": aa_thr, "aa_ttft_by_cell": aa_ttft, "noise": noise}
 
 
 def paired_ratio(ours: dict, raw: dict, key: str) -> float:
@@ -305,6 +353,17 @@ def last_line(ratios: dict) -> str:
         f"throughput@16={r['ours/sequential throughput@16']:.2f}")
 
 
+def noise_line(summary: dict) -> str | None:
+    """The A/A control's line (printed just before :func:`last_line`): the worst raw2/raw
+    ratios over :data:`AA_CELLS`, on the same rule as ours/raw. None without the control."""
+    noise = summary.get("noise")
+    if not noise:
+        return None
+    cells = ", ".join(f"c={c}" for _, c in AA_CELLS)
+    return (f"noise A/A raw2/raw throughput={noise['throughput']:.2f} "
+            f"ttft_p50={noise['ttft_p50']:.2f} (W1 text {cells})")
+
+
 def table(m: dict, s: dict) -> str:
     """The markdown table of the run (also the README's benchmark table)."""
     o, r, q = m["ours"], m["raw"], s["ratios"]
@@ -328,6 +387,14 @@ def table(m: dict, s: dict) -> str:
                  f"{a['median_itl_ms']:.1f} / {a['p99_itl_ms']:.1f}",
                  a["p99_itl_ms"] / b["p99_itl_ms"])]
     rows += [
+        *[(f"A/A control, W1 {cell}: requests/s and TTFT p50 (ms), raw2 (a 2nd raw vLLM) "
+           "in the ours column", f"{r['w1'][k][c]['request_throughput']:.2f}, "
+           f"{r['w1'][k][c]['median_ttft_ms']:.0f}",
+           f"{m['raw2']['w1'][k][c]['request_throughput']:.2f}, "
+           f"{m['raw2']['w1'][k][c]['median_ttft_ms']:.0f}",
+           s["aa_throughput_by_cell"][cell])
+          for cell in s.get("aa_throughput_by_cell", {})
+          for k, c in (cell.split(" c="),)],
         ("W2 12 MP photo: TTFT p50 (s)", f"{med(r['w2_ttft_s']):.3f}",
          f"{med(o['w2_ttft_s']):.3f}", q["photo_ttft"]),
         *[(f"W3 multi-turn, turn {k + 1} ({k + 1} photos): TTFT p50 (s)", f"{med(b):.3f}",
@@ -336,7 +403,8 @@ def table(m: dict, s: dict) -> str:
                                          strict=False))],
         ("W3 all turns: TTFT p50 (s)", f"{med(_flat(r['w3_ttft_s'])):.3f}",
          f"{med(_flat(o['w3_ttft_s'])):.3f}", q["multiturn_ttft"]),
-        (f"W4 burst of {o['w4']['n']} at idle: makespan (s), non-200",
+        (f"W4 burst of {o['w4']['n']} at idle, {len(o['w4']['makespans_s'])} repeats: "
+         "makespan (s, median), non-200",
          f"{r['w4']['makespan_s']:.2f}, {r['w4']['non200']}",
          f"{o['w4']['makespan_s']:.2f}, {o['w4']['non200']}", q["burst_makespan"]),
         (f"W5 ITL p99 of 4 streams while photos arrive, {W5_REPEATS} repeats pooled (ms)",
@@ -353,11 +421,22 @@ def table(m: dict, s: dict) -> str:
            f"{o['w1'][kind]['16']['request_throughput']:.2f}",
            o["w1"][kind]["16"]["request_throughput"]
            / m["sequential"]["w1"][kind]["16"]["request_throughput"]) for kind in W1_PROMPTS],
+        # The engine's own batching gain on this machine, for reading the ours/sequential target.
+        ("W1 text c=16 requests/s: sequential vs raw vLLM (not a target)",
+         f"{r['w1']['text']['16']['request_throughput']:.2f}",
+         f"{m['sequential']['w1']['text']['16']['request_throughput']:.2f} (sequential)",
+         r["w1"]["text"]["16"]["request_throughput"]
+         / m["sequential"]["w1"]["text"]["16"]["request_throughput"]),
     ]
     lines = ["| workload | raw vLLM | ours | ratio |", "|---|---|---|---|"]
     lines += [f"| {name} | {b} | {a} | {x:.2f} |" for name, b, a, x in rows]
     verdict = ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in ok.items())
-    return "\n".join(lines) + f"\n\nTargets: {verdict}.\n"
+    noise = noise_line(s)
+    footer = f"\n\nTargets: {verdict}.\n"
+    if noise:
+        footer += (f"\nA/A control (two identical raw vLLM servers, same rule as ours/raw): "
+                   f"`{noise}`.\n")
+    return "\n".join(lines) + footer
 
 
 def plot(ratios: dict, path: Path) -> bool:
@@ -437,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         print("README.md: benchmark table updated")
     print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if plotted else "")
           + f" in {time.monotonic() - t0:.0f} s")
+    if noise_line(summary):
+        print(noise_line(summary))
     print(last_line(summary["ratios"]))
     return 0
 

@@ -18,7 +18,8 @@ def side(rps: float, ttft_ms: float, photo_s: float, non200: int = 0) -> dict:
     w1 = {k: {str(c): cell(rps * (2 if k == "text" else 1), ttft_ms)
               for c in compare.W1_CONCURRENCIES} for k in compare.W1_PROMPTS}
     return {"w1": w1, "w2_ttft_s": [photo_s] * 3, "w3_ttft_s": [[photo_s] * 4] * 2,
-            "w4": {"n": 32, "makespan_s": 10.0, "non200": non200},
+            "w4": {"n": 32, "makespan_s": 10.0, "makespans_s": [10.0, 10.0, 10.0],
+                   "non200": non200},
             "w5_itls_s": [0.01] * 99 + [0.05], "w5_p99_by_repeat_s": [0.02, 0.03],
             "memory": {"peak_bytes": 3 << 30}}
 
@@ -39,6 +40,21 @@ def test_last_line_and_targets():
     ok = compare.met(ratios)
     assert not ok["burst_non200"] and not ok["throughput"] and ratios["throughput"] == 0.9
     assert "throughput MISSED" in compare.table(m, compare.summarize(m))
+    assert compare.noise_line(compare.summarize(m)) is None  # no A/A control in this run
+
+
+def test_a_a_control_and_paired_burst():
+    raw = side(10.0, 100.0, 0.6)
+    m = {"ours": side(10.0, 100.0, 0.3), "raw": raw,
+         "sequential": {"w1": {k: {"16": cell(1.0, 50.0)} for k in compare.W1_PROMPTS}},
+         "raw2": {"w1": {"text": {"16": cell(19.0, 110.0), "64": cell(20.4, 100.0)}}}}
+    m["ours"]["w4"]["makespans_s"] = [11.0, 10.0, 30.0]  # one slow spell: the median pair wins
+    summary = compare.summarize(m)
+    assert compare.noise_line(summary) == \
+        "noise A/A raw2/raw throughput=0.95 ttft_p50=1.10 (W1 text c=16)"
+    assert summary["ratios"]["burst_makespan"] == 1.1
+    md = compare.table(m, summary)
+    assert "A/A control, W1 text c=16" in md and "`noise A/A raw2/raw throughput=0.95" in md
 
 
 def test_readme_table_is_replaced_between_markers(tmp_path):
