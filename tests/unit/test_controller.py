@@ -205,3 +205,25 @@ def test_full_kv_cache_cuts_once_then_waits_for_it_to_drain():
     assert (d.direction, d.reason) == ("hold", "cooldown")
     d = c.step(busy(5, 48, kv_cache_usage=0.96, preemptions=1))
     assert (d.direction, d.reason) == ("down", "preemption")
+
+
+def test_a_burst_at_an_idle_engine_is_not_cut_for_its_own_prefill():
+    """The first ticks of a burst that reached an idle engine hold the limit on a latency
+    breach (the burst's prefill stalls the streams beside it) for ttft_target + cooldown;
+    a preemption or a full KV cache still cuts at once, and so does latency afterwards."""
+    c = Controller(CFG, limit=32)
+    assert c.step(Signals(t=0)).reason == "idle"
+    grace = CFG.ttft_target_s + CFG.cooldown_s
+    d = c.step(busy(2, 32, itl_p90_s=0.3, arrivals=50))
+    assert (d.direction, d.reason, d.new_limit) == ("hold", "burst", 32)
+    assert c.step(busy(2 + grace - 0.5, 32, ttft_p90_s=1.5)).reason == "burst"
+    d = c.step(busy(2 + grace + 0.5, 32, itl_p90_s=0.3))
+    assert d.direction == "down" and d.reason == "slo_itl"
+    # Hard signals are never held: a preemption in a burst's first tick cuts.
+    c = Controller(CFG, limit=32)
+    c.step(Signals(t=0))
+    assert c.step(busy(2, 32, preemptions=1, itl_p90_s=0.3)).reason == "preemption"
+    # A busy engine (no idle tick before) gets no grace.
+    c = Controller(CFG, limit=32)
+    c.step(busy(0, 32))
+    assert c.step(busy(2, 32, itl_p90_s=0.3)).reason == "slo_itl"
