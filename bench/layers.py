@@ -1,0 +1,167 @@
+"""What our request layers cost per streamed request, in-process: ``python -m bench.layers``.
+
+``python -m bench.layers [--tokens 64] [--requests 200] [--repeats 5]``
+
+The gateway (:class:`serve.app.Gateway`: auth, route table, HTTP accounting, body limit,
+intake, admission, stream guard) runs in front of a scripted ASGI peer that answers like
+vLLM's chat app: one SSE chunk per token (the compact JSON vLLM writes, ~300 bytes), the
+role chunk first, the finish chunk and ``data: [DONE]`` last. The same peer alone is the
+baseline, timed in the same run, alternating. No engine, no socket: what is left is the
+Python our layers run on the event loop per request and per token, which on a 2-core CPU
+server shares the loop that streams every answer (``README.md``, "Read the ratios against
+this machine's noise").
+
+Prints one line per round and ends with::
+
+    layers us_per_request=X us_per_token=Y (tokens=N, over a bare peer of Z us)
+
+``us_per_request``: the gateway's median over the peer's, microseconds per request;
+``us_per_token``: that cost's slope over the answer length (a second run at 1 token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+#: One ordinary token chunk as vLLM 0.32 writes it (compact JSON).
+TOKEN_CHUNK = (b'data: {"id":"chatcmpl-8d1e2f3a4b5c6d7e","object":"chat.completion.chunk",'
+               b'"created":1764575000,"model":"phi-3-vision-tiny","choices":[{"index":0,'
+               b'"delta":{"content":" hello"},"logprobs":null,"finish_reason":null}],'
+               b'"prompt_token_ids":null}\n\n')
+ROLE_CHUNK = TOKEN_CHUNK.replace(b'{"content":" hello"}', b'{"role":"assistant","content":""}')
+FINISH_CHUNK = TOKEN_CHUNK.replace(b'"finish_reason":null', b'"finish_reason":"length"')
+DONE = b"data: [DONE]\n\n"
+CHAT_PATH = "/v1/chat/completions"
+
+
+def scripted_chat(tokens: int):
+    """An ASGI app answering every request with a ``tokens``-token SSE chat stream."""
+    async def app(scope, receive, send) -> None:
+        json.loads((await receive())["body"])
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": ROLE_CHUNK, "more_body": True})
+        for _ in range(tokens - 1):
+            await send({"type": "http.response.body", "body": TOKEN_CHUNK, "more_body": True})
+        for chunk in (FINISH_CHUNK, DONE):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return app
+
+
+def chat_request(tokens: int) -> tuple[dict, bytes]:
+    """The ASGI scope and body of a streamed text chat (~60 words, ``max_tokens`` set)."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "word " * 60}],
+                       "max_tokens": tokens, "stream": True, "temperature": 0}).encode()
+    scope = {"type": "http", "method": "POST", "path": CHAT_PATH, "query_string": b"",
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
+    return scope, body
+
+
+async def serve_one(app, scope: dict, body: bytes) -> list[dict]:
+    """Send one request through ``app``; returns the messages the client received."""
+    sent, given = [], False
+
+    async def receive() -> dict:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)  # the client stays: no disconnect
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app({**scope, "headers": list(scope["headers"])}, receive, send)
+    return sent
+
+
+def gateway(peer):
+    """A ready :class:`serve.app.Gateway` (default settings, a private Prometheus registry)
+    whose OpenAI app is ``peer`` behind the gateway's own request layers."""
+    from prometheus_client import CollectorRegistry
+
+    from serve.app import Gateway, Phase, compose
+    from serve.settings import Settings
+
+    gw = Gateway(Settings(), registry=CollectorRegistry())
+    gw.state.openai_app = compose(peer, gw.request_layers())
+    gw.state.phase = Phase.READY
+    return gw
+
+
+async def check_stream(app, tokens: int) -> None:
+    """Raise unless ``app`` answers the chat request with HTTP 200 and the whole stream (the
+    role chunk, the tokens, ``[DONE]``): a benchmark of an error path would look cheap.
+
+    Raises:
+        RuntimeError: another status, or a stream that differs from the peer's.
+    """
+    scope, body = chat_request(tokens)
+    sent = await serve_one(app, scope, body)
+    stream = b"".join(m.get("body", b"") for m in sent[1:])
+    if sent[0].get("status") != 200 or not stream.endswith(DONE) \
+            or stream.count(b"\n\n") != tokens + 2:
+        raise RuntimeError(f"not a full stream: {sent[0].get('status')} {stream[:200]!r}")
+
+
+async def per_request_us(app, tokens: int, requests: int) -> float:
+    """Mean microseconds per request of ``requests`` sequential requests through ``app``."""
+    scope, body = chat_request(tokens)
+    t0 = time.perf_counter()
+    for _ in range(requests):
+        await serve_one(app, scope, body)
+    return (time.perf_counter() - t0) / requests * 1e6
+
+
+async def measure(tokens: int, requests: int, repeats: int) -> dict:
+    """Medians over ``repeats`` alternating rounds: the bare peer's and the gateway's
+    microseconds per request at ``tokens`` and at 1 token. Keys: ``peer_us``, ``ours_us``,
+    ``peer_1_us``, ``ours_1_us``."""
+    runs: dict[str, list[float]] = {"peer_us": [], "ours_us": [], "peer_1_us": [],
+                                    "ours_1_us": []}
+    apps = {n: scripted_chat(n) for n in (tokens, 1)}
+    gateways = {n: gateway(app) for n, app in apps.items()}
+    for n in (tokens, 1):  # warm-up: first requests build caches, import lazily
+        await check_stream(gateways[n], n)
+        await per_request_us(gateways[n], n, 20)
+    for k in range(repeats):
+        for n, suffix in ((tokens, ""), (1, "_1")):
+            order = (("peer", apps[n]), ("ours", gateways[n]))
+            for name, app in (order if k % 2 == 0 else order[::-1]):
+                runs[f"{name}{suffix}_us"].append(await per_request_us(app, n, requests))
+        print(f"round {k + 1}: peer {runs['peer_us'][-1]:.1f} us, ours {runs['ours_us'][-1]:.1f}"
+              f" us per {tokens}-token request", flush=True)
+    return {key: statistics.median(values) for key, values in runs.items()}
+
+
+def summary_line(m: dict, tokens: int) -> str:
+    """The last line (module docstring)."""
+    per_request = m["ours_us"] - m["peer_us"]
+    fixed = m["ours_1_us"] - m["peer_1_us"]
+    per_token = (per_request - fixed) / max(1, tokens - 1)
+    return (f"layers us_per_request={per_request:.0f} us_per_token={per_token:.2f} "
+            f"(tokens={tokens}, over a bare peer of {m['peer_us']:.0f} us)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.layers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    m = asyncio.run(measure(args.tokens, args.requests, args.repeats))
+    print(summary_line(m, args.tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
