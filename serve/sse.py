@@ -46,7 +46,13 @@ class SseDialect:
         return not self.tokens or _holds(data, self.tokens)
 
     def has_done(self, data: bytes) -> bool:
-        """Whether ``data`` (any slice of the stream, one or more events) holds a normal end."""
+        """Whether ``data`` (any slice of the stream, one or more events) holds a normal end.
+
+        A chat stream's end, ``data: [DONE]``, is its last event (vLLM writes nothing after
+        it, and the stream guard forwards nothing after it), so a slice holding it ends with
+        it: an O(1) suffix test on every streamed chunk instead of a scan."""
+        if self.chunks:
+            return data.endswith(self.done[0] + b"\n\n")
         return _holds(data, self.done)
 
     def error_event(self, message: str, sequence_number: int = 0) -> bytes:

@@ -45,13 +45,14 @@ _PARSE_PATTERN = re.compile(b"|".join(re.escape(m) for m in _PARSE_MARKERS))
 
 
 def ordinary_chunk(chunk: bytes) -> bool:
-    """Whether a message body is exactly one whole chat event that the guard passes on as it
-    is: not the end (``data: [DONE]``), holding no parse marker. Runs on every streamed token
-    (two scans of the chunk at C speed, ~1.2 us for a 300-byte chunk on the CPU machine), so
-    that the common chunk goes to the client as the very message vLLM sent, without copy or
-    parse."""
-    return (chunk.endswith(b"\n\n") and chunk.find(b"\n\n") == len(chunk) - 2
-            and not chunk.startswith(b"data: [DONE]") and _PARSE_PATTERN.search(chunk) is None)
+    """Whether a message body is whole chat events (nothing buffered before it) that the guard
+    passes on as they are: holding no parse marker and not the end (``data: [DONE]``, always
+    the stream's last event, so a message holding it ends with it). Runs on every streamed
+    token: one regex scan of the chunk (~0.6 us for a 300-byte chunk on the CPU machine) and
+    two O(1) suffix tests, so that the common chunk goes to the client as the very message
+    vLLM sent, without copy or parse."""
+    return (chunk.endswith(b"\n\n") and not chunk.endswith(b"data: [DONE]\n\n")
+            and _PARSE_PATTERN.search(chunk) is None)
 
 
 class _Stream:

@@ -336,8 +336,9 @@ async def test_guard_hot_path_forwards_vllm_messages_as_sent():
     token = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,'
              b'"delta":{"content":"hi"},"logprobs":null,"finish_reason":null}]}\n\n')
     abort = token.replace(b'"finish_reason":null', b'"finish_reason":"abort"')
-    assert ordinary_chunk(token)
-    assert not any(map(ordinary_chunk, (abort, token + token, token[:-1], b"data: [DONE]\n\n",
+    assert ordinary_chunk(token) and ordinary_chunk(token + token)  # whole ordinary events
+    assert not any(map(ordinary_chunk, (abort, token + abort, token[:-1], b"data: [DONE]\n\n",
+                                        token + b"data: [DONE]\n\n",
                                         b'data: {"error":{"message":"x"}}\n\n')))
     message = {"type": "http.response.body", "body": token, "more_body": True}
     sent = []
@@ -361,3 +362,6 @@ async def test_guard_hot_path_forwards_vllm_messages_as_sent():
     events = [e for e in b"".join(m.get("body", b"") for m in sent[1:]).split(b"\n\n") if e]
     assert events[:3] == [token[:-2]] * 3
     assert len(events) == 4 and b'"error"' in events[3] and b"abort" in events[3]
+    # Two whole events and the end merged in one message: a normal end, no error added.
+    events = await run_guard([token + token + b"data: [DONE]\n\n"])
+    assert events == [token[:-2].decode()] * 2 + ["data: [DONE]"]
