@@ -16,8 +16,8 @@ apply):
   identical servers differ here (``raw2/raw``, ideally 1.00): the noise floor against which
   our cost is read.
 
-All three stay up (an idle server uses ~0.02 cores) and the workloads of
-:mod:`bench.workloads` alternate between them, swapping the order half-way, so a slow spell of
+All four stay up (an idle server uses ~0.02 cores) and the workloads of
+:mod:`bench.workloads` alternate between them, swapping the order each time, so a slow spell of
 the machine hits both sides alike. Each side gets byte-identical requests; images are
 distinct within a server run, so no cache helps except where the workload re-sends them (W3).
 
@@ -32,8 +32,9 @@ Each ours/raw ratio is the worst over W1's concurrencies where several apply (th
 latencies, the lowest for throughput); a W1 cell's ratio is the median of the ratios of its
 back-to-back segment pairs (:func:`paired_ratio`), since this machine's speed drifts by up
 to ~15 % between identical runs a minute apart (measured A/A: single pairs of identical
-servers differ by up to 7 %). The text cells, where our per-request and per-token cost shows
-most, run the most and the longest segments (:data:`W1_PLAN`). The line before the last one
+servers differ by up to 7 %, up to 30 % on a slow spell). The text cells, where our
+per-request and per-token cost shows most, run the most and the longest segments
+(:data:`W1_PLAN`). The line before the last one
 gives the A/A control::
 
     noise A/A raw2/raw throughput=X ttft_p50=X (W1 text c=16)
@@ -69,7 +70,6 @@ from serve.admission.engine_stats import percentile
 #: ~0.3-0.7 s of CLIP on this CPU): ~9.5 min in all on this CPU, most of the run's 15.
 W1_PLAN = {"text": {1: (12, 4), 4: (32, 4), 16: (64, 8), 64: (128, 4)},
            "image": {1: (6, 4), 4: (8, 4), 16: (12, 4), 64: (64, 2)}}
-W1_PROMPTS = {kind: {c: plan[0] for c, plan in cells.items()} for kind, cells in W1_PLAN.items()}
 W1_CONCURRENCIES = (1, 4, 16, 64)
 #: Prompts of each of the sequential baseline's two segments in a c=16 cell (it runs the
 #: cell's first and last segment): at limit 1 it serves only ~3 requests/s.
@@ -279,19 +279,17 @@ def summarize(m: dict) -> dict:
     """The ratios of the last line, and the ours/raw ratio of each W1 cell
     (:func:`paired_ratio`)."""
     o, r = m["ours"], m["raw"]
-    cells = [(kind, str(c)) for kind in W1_PROMPTS for c in W1_CONCURRENCIES]
+    cells = [(kind, str(c)) for kind in W1_PLAN for c in W1_CONCURRENCIES]
 
-    def cell_ratio(key: str) -> dict[str, float]:
-        return {f"{k} c={c}": paired_ratio(o["w1"][k][c], r["w1"][k][c], key)
-                for k, c in cells}
+    def cell_ratio(side: dict, key: str, cells: list) -> dict[str, float]:
+        return {f"{k} c={c}": paired_ratio(side[k][c], r["w1"][k][c], key) for k, c in cells}
 
-    ttft, thr = cell_ratio("median_ttft_ms"), cell_ratio("request_throughput")
+    ttft = cell_ratio(o["w1"], "median_ttft_ms", cells)
+    thr = cell_ratio(o["w1"], "request_throughput", cells)
     aa = m.get("raw2", {}).get("w1", {})
     aa_cells = [(k, str(c)) for k, c in AA_CELLS if str(c) in aa.get(k, {})]
-    aa_thr = {f"{k} c={c}": paired_ratio(aa[k][c], r["w1"][k][c], "request_throughput")
-              for k, c in aa_cells}
-    aa_ttft = {f"{k} c={c}": paired_ratio(aa[k][c], r["w1"][k][c], "median_ttft_ms")
-               for k, c in aa_cells}
+    aa_thr = cell_ratio(aa, "request_throughput", aa_cells)
+    aa_ttft = cell_ratio(aa, "median_ttft_ms", aa_cells)
     med = statistics.median
     ratios = {
         "ttft_p50": max(ttft.values()),
@@ -370,7 +368,7 @@ def table(m: dict, s: dict) -> str:
     ok = met(q)
     med = statistics.median
     rows = []
-    for kind in W1_PROMPTS:
+    for kind in W1_PLAN:
         for c in W1_CONCURRENCIES:
             a, b, cell = o["w1"][kind][str(c)], r["w1"][kind][str(c)], f"{kind} c={c}"
             rows += [
@@ -420,7 +418,7 @@ def table(m: dict, s: dict) -> str:
            f"{m['sequential']['w1'][kind]['16']['request_throughput']:.2f} (sequential)",
            f"{o['w1'][kind]['16']['request_throughput']:.2f}",
            o["w1"][kind]["16"]["request_throughput"]
-           / m["sequential"]["w1"][kind]["16"]["request_throughput"]) for kind in W1_PROMPTS],
+           / m["sequential"]["w1"][kind]["16"]["request_throughput"]) for kind in W1_PLAN],
         # The engine's own batching gain on this machine, for reading the ours/sequential target.
         ("W1 text c=16 requests/s: sequential vs raw vLLM (not a target)",
          f"{r['w1']['text']['16']['request_throughput']:.2f}",
@@ -516,8 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         print("README.md: benchmark table updated")
     print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if plotted else "")
           + f" in {time.monotonic() - t0:.0f} s")
-    if noise_line(summary):
-        print(noise_line(summary))
+    noise = noise_line(summary)
+    if noise:
+        print(noise)
     print(last_line(summary["ratios"]))
     return 0
 

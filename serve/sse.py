@@ -52,7 +52,7 @@ class SseDialect:
         it, and the stream guard forwards nothing after it), so a slice holding it ends with
         it: an O(1) suffix test on every streamed chunk instead of a scan."""
         if self.chunks:
-            return data.endswith(self.done[0] + b"\n\n")
+            return data.endswith(CHAT_END)
         return _holds(data, self.done)
 
     def error_event(self, message: str, sequence_number: int = 0) -> bytes:
@@ -81,7 +81,9 @@ def _holds(data: bytes, prefixes: tuple[bytes, ...]) -> bool:
     return False
 
 
-CHAT_SSE = SseDialect(CHAT, (b"data: [DONE]",), (), chunks=True)
+#: The last bytes of a chat stream that ended normally.
+CHAT_END = b"data: [DONE]\n\n"
+CHAT_SSE = SseDialect(CHAT, (CHAT_END.rstrip(),), (), chunks=True)
 RESPONSES_SSE = SseDialect(
     RESPONSES, (b"event: response.completed", b"event: response.incomplete"),
     (b"event: error", b"event: response.failed"), chunks=False,

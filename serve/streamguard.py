@@ -29,7 +29,7 @@ import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.sse import SseDialect, dialect, is_event_stream
+from serve.sse import CHAT_END, SseDialect, dialect, is_event_stream
 
 log = logging.getLogger("serve.streamguard")
 
@@ -51,7 +51,7 @@ def ordinary_chunk(chunk: bytes) -> bool:
     token: one regex scan of the chunk (~0.6 us for a 300-byte chunk on the CPU machine) and
     two O(1) suffix tests, so that the common chunk goes to the client as the very message
     vLLM sent, without copy or parse."""
-    return (chunk.endswith(b"\n\n") and not chunk.endswith(b"data: [DONE]\n\n")
+    return (chunk.endswith(b"\n\n") and not chunk.endswith(CHAT_END)
             and _PARSE_PATTERN.search(chunk) is None)
 
 
@@ -100,7 +100,7 @@ class _Stream:
             self.closed = True
             await self.emit(event)
             return
-        if not any(marker in payload for marker in _PARSE_MARKERS):
+        if _PARSE_PATTERN.search(payload) is None:
             await self.emit(event)  # an ordinary chunk: no JSON parse on the hot path
             return
         try:

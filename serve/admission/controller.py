@@ -195,7 +195,6 @@ class Controller:
     _cooldown_until: float = field(default=float("-inf"), init=False)
     #: End of the grace a burst at an idle engine gets from latency cuts (see :meth:`step`).
     _burst_until: float = field(default=float("-inf"), init=False)
-    _idle: bool = field(default=False, init=False)
     decisions: deque = field(init=False)
 
     def __post_init__(self) -> None:
@@ -289,7 +288,8 @@ class Controller:
         """Decide the next limit from one sample; updates ``self.limit``."""
         c = self.config
         old = self.limit
-        if self._idle and (s.in_flight or s.pending or s.arrivals):
+        was_idle = bool(self.decisions) and self.decisions[-1].reason == "idle"
+        if was_idle and (s.in_flight or s.pending or s.arrivals):
             # A burst reached the idle engine, admitted at the idle limit (its KV and TTFT
             # fits). Its own prefill stalls the streams decoding beside it: latency over the
             # target for as long as that prefill lasts, within the TTFT target by the TTFT
@@ -340,7 +340,6 @@ class Controller:
         else:
             new, direction, reason = old, "hold", "steady"
         self.limit = new
-        self._idle = reason == "idle"
         decision = Decision(s.t, old, new, direction, reason)
         self.decisions.append(decision)
         return decision

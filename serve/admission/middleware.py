@@ -68,7 +68,6 @@ class ResponseTracker:
         self._client_send = send
 
         sse, times, clock = self.sse, self.chunk_times, self.clock
-        every_chunk = not sse.tokens  # chat: every chunk carries tokens (one per step)
 
         async def tracked(message: Message) -> None:
             # Runs for every streamed token: locals, and one substring search per test.
@@ -82,7 +81,7 @@ class ResponseTracker:
                         if len(self.body) < 1 << 20:
                             self.body.extend(chunk)
                     else:
-                        if every_chunk or sse.carries_tokens(chunk):
+                        if sse.carries_tokens(chunk):
                             times.append(clock())
                         if not self.done_marker:
                             self.done_marker = sse.has_done(chunk)

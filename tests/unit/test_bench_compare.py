@@ -16,7 +16,7 @@ def cell(rps: float, ttft_ms: float) -> dict:
 
 def side(rps: float, ttft_ms: float, photo_s: float, non200: int = 0) -> dict:
     w1 = {k: {str(c): cell(rps * (2 if k == "text" else 1), ttft_ms)
-              for c in compare.W1_CONCURRENCIES} for k in compare.W1_PROMPTS}
+              for c in compare.W1_CONCURRENCIES} for k in compare.W1_PLAN}
     return {"w1": w1, "w2_ttft_s": [photo_s] * 3, "w3_ttft_s": [[photo_s] * 4] * 2,
             "w4": {"n": 32, "makespan_s": 10.0, "makespans_s": [10.0, 10.0, 10.0],
                    "non200": non200},
@@ -26,7 +26,7 @@ def side(rps: float, ttft_ms: float, photo_s: float, non200: int = 0) -> dict:
 
 def test_last_line_and_targets():
     m = {"ours": side(10.0, 100.0, 0.3), "raw": side(10.0, 100.0, 0.6),
-         "sequential": {"w1": {k: {"16": cell(1.0, 50.0)} for k in compare.W1_PROMPTS}}}
+         "sequential": {"w1": {k: {"16": cell(1.0, 50.0)} for k in compare.W1_PLAN}}}
     summary = compare.summarize(m)
     line = compare.last_line(summary["ratios"])
     assert re.fullmatch(
@@ -46,7 +46,7 @@ def test_last_line_and_targets():
 def test_a_a_control_and_paired_burst():
     raw = side(10.0, 100.0, 0.6)
     m = {"ours": side(10.0, 100.0, 0.3), "raw": raw,
-         "sequential": {"w1": {k: {"16": cell(1.0, 50.0)} for k in compare.W1_PROMPTS}},
+         "sequential": {"w1": {k: {"16": cell(1.0, 50.0)} for k in compare.W1_PLAN}},
          "raw2": {"w1": {"text": {"16": cell(19.0, 110.0), "64": cell(20.4, 100.0)}}}}
     m["ours"]["w4"]["makespans_s"] = [11.0, 10.0, 30.0]  # one slow spell: the median pair wins
     summary = compare.summarize(m)
