@@ -26,9 +26,11 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
   admitted under the old limit, and cutting on them again is windup.
 - **Burst grace**: for ``ttft_target_s + cooldown_s`` after a burst reaches an idle engine
   (admitted at the idle limit, whose TTFT fit bounds its prefill by the TTFT target), a
-  latency breach holds the limit (reason ``burst``): the burst's own prefill stalls the
-  streams decoding beside it, and a cut would only refuse the queued rest of the burst. A
-  preemption or a full KV cache still cuts at once.
+  latency breach does not cut (reason ``burst``): the burst's own prefill stalls the
+  streams decoding beside it, and a cut would only refuse the queued rest of the burst.
+  With requests queued, the limit rises to :meth:`Controller.idle_limit` recomputed on the
+  burst's own prefill rate, when that is higher. A preemption or a full KV cache still
+  cuts at once.
 - Bounds ``[min_seqs, ceiling]`` always; ``ceiling`` is the engine's ``--max-num-seqs``.
 
 Sources: Netflix concurrency-limits ``AIMDLimit`` / ``Gradient2Limit`` (multiplicative backoff
@@ -299,7 +301,12 @@ class Controller:
             self._burst_until = s.t + c.ttft_target_s + c.cooldown_s
         reason = self.overload_reason(s)
         if reason in LATENCY_REASONS and s.t < self._burst_until:
-            new, direction, reason = old, "hold", "burst"
+            # Never a cut; a raise to the idle limit when the rest of the burst is queued:
+            # the rate this burst's own prefill just showed (and the traffic's sizes) may
+            # allow more than the limit it was admitted at (on the first burst after boot, the
+            # worst-case KV-safe start: H200 T2's first burst 96 -> 106 good of L=128's 128).
+            new = max(old, self.idle_limit(s)) if s.pending else old
+            direction, reason = ("up" if new > old else "hold"), "burst"
         elif reason in SOFT_REASONS and s.in_flight > old:
             # The last decrease is still draining (lowering never aborts running requests):
             # the late samples of requests admitted under the old limit would cut again and

@@ -227,3 +227,26 @@ def test_a_burst_at_an_idle_engine_is_not_cut_for_its_own_prefill():
     c = Controller(CFG, limit=32)
     c.step(busy(0, 32))
     assert c.step(busy(2, 32, itl_p90_s=0.3)).reason == "slo_itl"
+
+
+def test_a_burst_admitted_at_the_boot_start_rises_to_what_its_prefill_rate_fits():
+    """In the grace, with the rest of the burst queued, the limit rises to the idle limit
+    recomputed from the burst's own prefill rate (the boot start assumes the largest image in
+    every request); without a queue, or when the fit is lower, it holds: never a cut."""
+    c = Controller(dataclasses.replace(DEFAULTS, ceiling=256, ttft_target_s=2.0), limit=15)
+    c.set_capacity(48_000)
+    assert c.step(Signals(t=0)).reason == "idle" and c.limit == 15
+    # 13,000 prompt tokens/s measured on this burst, 800-token prompts: 32 fit the TTFT;
+    # 1,000-token requests: 45 fit the KV cache.
+    seen = dict(mean_request_tokens=1000.0, mean_prompt_tokens=800.0,
+                prefill_tokens_per_s=13_000.0, itl_p90_s=0.5, arrivals=100)
+    d = c.step(Signals(t=2, in_flight=15, engine_running=15, pending=80, **seen))
+    assert (d.direction, d.reason, d.new_limit) == ("up", "burst", 32)
+    # Nothing queued: nothing to admit, hold.
+    d = c.step(Signals(t=4, in_flight=30, engine_running=30, pending=0,
+                       **{**seen, "prefill_tokens_per_s": 20_000.0}))
+    assert (d.direction, d.reason, d.new_limit) == ("hold", "burst", 32)
+    # A lower fit (slower prefill) does not cut inside the grace.
+    d = c.step(Signals(t=6, in_flight=32, engine_running=32, pending=40,
+                       **{**seen, "prefill_tokens_per_s": 6_000.0}))
+    assert (d.direction, d.reason, d.new_limit) == ("hold", "burst", 32)
