@@ -97,7 +97,8 @@ bench: install model
 	$(PY) -m bench.compare $(BENCH_ARGS)
 
 # Goodput of the max_num_seqs autotuner vs static limits: on the engine simulator (~10 s),
-# then on the real tiny engine on CPU (~11 min, one server per setting; needs a quiet machine).
+# then on the real tiny engine on CPU (~18 min: this machine's capacity first, then one server
+# per setting; needs a quiet machine).
 bench-autotune: install model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.autotune --out bench/out --cpu-engine $(BENCH_ARGS)

@@ -659,17 +659,23 @@ CPU_SUITE_GAP_S = 8.0
 
 def cpu_suite_benchmark(out: Path, seed: int = 0, limits: tuple[int, ...] = CPU_SUITE_LIMITS,
                         slo: SloTargets = CPU_SLO,
-                        quiet_wait_s: float = 30.0, retries: int = 1) -> list[TraceRow]:
+                        quiet_wait_s: float = 30.0, retries: int = 1,
+                        capacity: Capacity | None = None) -> list[TraceRow]:
     """The suite on the real tiny engine (:func:`bench.trace.cpu_suite`: T1, T2, T5, T6 at CPU
     scale, played back to back with :data:`CPU_SUITE_GAP_S` between them), against ``auto``,
     each fixed limit and ``unlimited`` (plain vLLM's OpenAI server on the same engine), each
-    a fresh server. Prints one row per trace and the final line; writes
+    a fresh server. The traces' rates are fractions of ``capacity``: by default measured
+    first, in the same run (:func:`cpu_capacity_benchmark`, ~3 min), because this machine's
+    speed moves from day to day. Prints one row per trace and the final line; writes
     ``cpu-suite.json``."""
     from bench import cpu_engine as ce
     from bench import process
 
     t_start = time.monotonic()
-    parts = cpu_suite(seed)
+    if capacity is None:
+        print("cpu engine suite: measuring this machine's capacity first", flush=True)
+        capacity = cpu_capacity_benchmark(out, seed)
+    parts = cpu_suite(seed, capacity)
     trace, by_name = concat_traces(parts, CPU_SUITE_GAP_S)
     drain_s = slo.ttft_s + slo.itl_s * max(r.output_tokens for r in trace.requests)
     process.ensure_tiny_model()
@@ -689,10 +695,10 @@ def cpu_suite_benchmark(out: Path, seed: int = 0, limits: tuple[int, ...] = CPU_
         sums = [summarize(rep.label, [r for r in rep.results if r.request.id in ids], part, slo,
                           None) for rep in replays]
         rows.append(TraceRow(name, part, sums[0], sums[1:-1], sums[-1]))
-    print(format_suite(SuiteReport("cpu", CPU_CAPACITY, rows)))
+    print(format_suite(SuiteReport("cpu", capacity, rows)))
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu-suite.json").write_text(json.dumps({
-        "seed": seed, "slo": asdict(slo), "capacity": asdict(CPU_CAPACITY),
+        "seed": seed, "slo": asdict(slo), "capacity": asdict(capacity),
         "runs": [{"label": rep.label, **info, "limits": rep.limits,
                   "requests": [_outcome(r) for r in rep.results]}
                  for rep, info in zip(replays, extra, strict=False)],
@@ -757,8 +763,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="fixed limits of the CPU suite (default: "
                         f"{' '.join(map(str, CPU_SUITE_LIMITS))})")
     parser.add_argument("--cpu-capacity", action="store_true",
-                        help="measure the tiny engine's saturated throughput per mix (the "
-                        "CPU suite's CPU_CAPACITY) and exit")
+                        help="measure the tiny engine's saturated throughput per mix (what "
+                        "the CPU suite measures first) and exit")
+    parser.add_argument("--cpu-fixed-capacity", action="store_true",
+                        help="CPU suite: load the engine at fractions of the reference "
+                        "CPU_CAPACITY instead of measuring this machine first (~3 min less)")
     parser.add_argument("--cpu-phase-s", type=float, default=25.0,
                         help="length of each phase of the CPU phase trace replayed against "
                         "URLs, seconds (default 25)")
@@ -791,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
                              retries=args.cpu_retries)
     elif args.cpu_engine:
         cpu_suite_benchmark(args.out, args.seed, tuple(args.cpu_limits), slo,
-                            args.cpu_quiet_wait_s, args.cpu_retries)
+                            args.cpu_quiet_wait_s, args.cpu_retries,
+                            CPU_CAPACITY if args.cpu_fixed_capacity else None)
     return 0
 
 

@@ -209,7 +209,8 @@ def phase_trace(seed: int = 0, phase_s: float = 180.0) -> Trace:
     return build_trace(default_phases(phase_s), seed)
 
 
-def cpu_trace(seed: int = 0, phase_s: float = 25.0) -> Trace:
+def cpu_trace(seed: int = 0, phase_s: float = 25.0,
+              rate_scale: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> Trace:
     """A small version (3 x ``phase_s`` s) for the real tiny engine on a 2-core CPU.
 
     Same phases, one 2-4x burst each, scaled to what the tiny model does on 2 cores
@@ -223,13 +224,18 @@ def cpu_trace(seed: int = 0, phase_s: float = 25.0) -> Trace:
       second, saturated in the burst; every encode stalls every running decode.
     - **C, long answers** (1.5 req/s, 200-400 output tokens): ~450 tokens/s, 1-2 s per
       answer; a small limit queues them past the TTFT target, most of all in the burst.
+
+    ``rate_scale`` multiplies the three phases' rates (chat, vision, long): this machine's
+    throughput per mix over :data:`CPU_CAPACITY`'s, so the trace loads a slower or faster
+    machine alike (:func:`cpu_suite`).
     """
     bursts = dict(bursts=1, burst_s=(0.2 * phase_s, 0.35 * phase_s))
+    chat, vision, long = rate_scale
     return build_trace((
-        Phase("A-chat", phase_s, 10.0, "chat", output_tokens=(16, 128), **bursts),
-        Phase("B-vision", phase_s, 1.5, "vision", output_tokens=(16, 64), num_crops=(1, 1),
-              **bursts),
-        Phase("C-long", phase_s, 1.5, "long", output_tokens=(200, 400), **bursts),
+        Phase("A-chat", phase_s, 10.0 * chat, "chat", output_tokens=(16, 128), **bursts),
+        Phase("B-vision", phase_s, 1.5 * vision, "vision", output_tokens=(16, 64),
+              num_crops=(1, 1), **bursts),
+        Phase("C-long", phase_s, 1.5 * long, "long", output_tokens=(200, 400), **bursts),
     ), seed)
 
 
@@ -385,12 +391,20 @@ def cpu_suite(seed: int = 0, capacity: Capacity = CPU_CAPACITY,
       ``idle`` long enough to serve a burst (1.5 x its size / the chat capacity);
     - T5: :func:`cpu_trace` with ``phase_s`` phases;
     - T6: 20 s of chat at 2 x ``capacity``.
+
+    ``capacity``: the engine's throughput per mix, measured on this machine in the same run
+    (``python -m bench.autotune``'s CPU suite does) or :data:`CPU_CAPACITY`, the figures of
+    one idle run (this machine's speed moves by up to ~1.5x from day to day: fixed rates
+    turn "60 % of capacity" into an overload on a slow day).
     """
     c = capacity
+    ref = CPU_CAPACITY
+    scale = (c.chat_rps / ref.chat_rps, c.vision_rps / ref.vision_rps,
+             c.long_rps / ref.long_rps)
     idle = 1.5 * 2 * c.ceiling / c.chat_rps
     return {
         "T1": build_trace((chat_phase("T1", 20.0, 0.6 * c.chat_rps, c),), seed),
         "T2": on_off_trace("T2", c, period_s=idle + 4.0, idle_s=idle, seed=seed),
-        "T5": cpu_trace(seed, phase_s),
+        "T5": cpu_trace(seed, phase_s, scale),
         "T6": build_trace((chat_phase("T6", 20.0, 2.0 * c.chat_rps, c),), seed),
     }

@@ -197,6 +197,12 @@ class Controller:
     _cooldown_until: float = field(default=float("-inf"), init=False)
     #: End of the grace a burst at an idle engine gets from latency cuts (see :meth:`step`).
     _burst_until: float = field(default=float("-inf"), init=False)
+    #: Ticks since that burst reached the idle engine.
+    _burst_ticks: int = field(default=0, init=False)
+    #: A cut on an overload while requests kept arriving, since the last idle tick.
+    _sustained_cut: bool = field(default=False, init=False)
+    #: The limit the last busy period with such a cut ended at (None: it had none).
+    _overload_limit: int | None = field(default=None, init=False)
     decisions: deque = field(init=False)
 
     def __post_init__(self) -> None:
@@ -224,6 +230,13 @@ class Controller:
           ``rate x ttft_target / mean_prompt``. A burst admitted past it misses the target
           anyway and stretches the inter-token latency of everything running.
 
+        At most the **overload limit**: where the last busy period ended, if it was cut on
+        an overload while requests kept arriving (sustained traffic, not the drain of a
+        burst). That is what the engine held at that traffic under *all* targets, the
+        inter-token one included, which neither fit sees: on the CPU engine every image
+        encode stalls every running stream, and the fits said 32 where T6's overload settled
+        at 16. Demand probes raise the limit past it again when the traffic allows.
+
         ``start`` (the boot figure, which assumes the largest image in every request) until
         requests have finished, and always where no capacity was set (:meth:`set_capacity`:
         the server does not set it when the operator pinned ``--admission-limit``).
@@ -237,6 +250,8 @@ class Controller:
         if s.prefill_tokens_per_s and s.mean_prompt_tokens:
             limit = min(limit, math.floor(s.prefill_tokens_per_s * c.ttft_target_s
                                           / s.mean_prompt_tokens))
+        if self._overload_limit is not None:
+            limit = min(limit, self._overload_limit)
         return self._clamp(limit)
 
     def _clamp(self, n: int) -> int:
@@ -299,6 +314,14 @@ class Controller:
             # T2 it cut 26 -> 13 and 93 -> 58 in the first tick of a burst, where the best
             # fixed limit keeps 32 and 128).
             self._burst_until = s.t + c.ttft_target_s + c.cooldown_s
+            self._burst_ticks = 0
+        elif s.t < self._burst_until:
+            self._burst_ticks += 1
+            if self._burst_ticks >= 2 and s.arrivals:
+                # Still arriving two ticks after the burst began: not a burst but traffic
+                # (a burst arrives within one tick interval; on the CPU engine the grace held
+                # the limit at 32 through the first 5 s of T6's sustained 2x overload).
+                self._burst_until = float("-inf")
         reason = self.overload_reason(s)
         if reason in LATENCY_REASONS and s.t < self._burst_until:
             # Never a cut; a raise to the idle limit when the rest of the burst is queued:
@@ -324,6 +347,8 @@ class Controller:
             direction: Direction = "down" if new < old else "hold"
             if new == old:
                 reason = "bound"
+            if s.arrivals:
+                self._sustained_cut = True
         elif s.t < self._cooldown_until:
             new, direction, reason = old, "hold", "cooldown"
         elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s):
@@ -341,6 +366,9 @@ class Controller:
         elif s.in_flight == 0 and s.pending == 0 and not s.arrivals:
             # Idle: nothing in flight or queued, and nothing arrived since the last sample
             # (a server shedding every arrival under overload is empty, not idle).
+            if not was_idle:  # the busy period ends: remember what its overload settled at
+                self._overload_limit = old if self._sustained_cut else None
+                self._sustained_cut = False
             new = self.idle_limit(s)
             direction = "up" if new > old else "down" if new < old else "hold"
             reason = "idle"

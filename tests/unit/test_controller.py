@@ -239,8 +239,8 @@ def test_a_burst_admitted_at_the_boot_start_rises_to_what_its_prefill_rate_fits(
     # 13,000 prompt tokens/s measured on this burst, 800-token prompts: 32 fit the TTFT;
     # 1,000-token requests: 45 fit the KV cache.
     seen = dict(mean_request_tokens=1000.0, mean_prompt_tokens=800.0,
-                prefill_tokens_per_s=13_000.0, itl_p90_s=0.5, arrivals=100)
-    d = c.step(Signals(t=2, in_flight=15, engine_running=15, pending=80, **seen))
+                prefill_tokens_per_s=13_000.0, itl_p90_s=0.5)
+    d = c.step(Signals(t=2, in_flight=15, engine_running=15, pending=80, arrivals=100, **seen))
     assert (d.direction, d.reason, d.new_limit) == ("up", "burst", 32)
     # Nothing queued: nothing to admit, hold.
     d = c.step(Signals(t=4, in_flight=30, engine_running=30, pending=0,
@@ -250,3 +250,41 @@ def test_a_burst_admitted_at_the_boot_start_rises_to_what_its_prefill_rate_fits(
     d = c.step(Signals(t=6, in_flight=32, engine_running=32, pending=40,
                        **{**seen, "prefill_tokens_per_s": 6_000.0}))
     assert (d.direction, d.reason, d.new_limit) == ("hold", "burst", 32)
+
+
+def test_sustained_arrivals_end_the_burst_grace():
+    """Requests still arriving two ticks after a burst began are traffic, not a burst: the
+    grace ends and a latency breach cuts."""
+    c = Controller(CFG, limit=32)
+    c.step(Signals(t=0))
+    assert c.step(busy(1, 32, itl_p90_s=0.3, arrivals=20)).reason == "burst"
+    assert c.step(busy(2, 32, itl_p90_s=0.3, arrivals=20)).reason == "burst"  # its tail
+    d = c.step(busy(3, 32, itl_p90_s=0.3, arrivals=20))
+    assert (d.direction, d.reason) == ("down", "slo_itl")
+
+
+def test_idle_limit_remembers_where_a_sustained_overload_settled():
+    """A busy period cut on an overload while requests kept arriving ends at the limit the
+    engine held under every target: the idle limit is at most that (the fits do not see the
+    inter-token target). A burst's drain (cuts with nothing arriving) teaches nothing."""
+    cfg = dataclasses.replace(DEFAULTS, ceiling=32, ttft_target_s=2.0)
+    c = Controller(cfg, limit=32)
+    c.set_capacity(131_072)
+    fits = dict(mean_request_tokens=500.0, mean_prompt_tokens=300.0,
+                prefill_tokens_per_s=6_000.0)  # KV fit 249, TTFT fit 40: both over 32
+    assert c.step(Signals(t=0, **fits)).new_limit == 32
+    over = dict(in_flight=32, pending=5, arrivals=12, itl_p90_s=10 * cfg.itl_target_s, **fits)
+    assert c.step(Signals(t=10, **over)).reason == "burst"  # from idle: a burst, maybe
+    assert c.step(Signals(t=11, **over)).reason == "burst"
+    d = c.step(Signals(t=12, **over))  # still arriving: an overload, cut
+    assert (d.reason, d.new_limit) == ("slo_itl", 16)
+    c.step(Signals(t=15, in_flight=16, engine_running=16, pending=3, arrivals=12, **fits))
+    d = c.step(Signals(t=40, **fits))
+    assert (d.reason, d.new_limit) == ("idle", 16)
+    # The next busy period: a burst's drain cut with nothing arriving, then idle: no lesson,
+    # the fits again.
+    c.step(Signals(t=50, in_flight=16, pending=40, arrivals=56, **fits))
+    d = c.step(Signals(t=60, in_flight=16, pending=20, ttft_p90_s=5.0, **fits))
+    assert d.direction == "down" and c.limit < 16
+    d = c.step(Signals(t=80, **fits))
+    assert (d.reason, d.new_limit) == ("idle", 32)
