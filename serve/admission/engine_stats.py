@@ -57,6 +57,11 @@ class SlidingWindow:
         while self._count > self.max_samples and len(self._batches) > 1:
             self._count -= len(self._batches.popleft()[1])
 
+    def clear(self) -> None:
+        """Drop every sample (the autotuner's cut: what follows must be measured afresh)."""
+        self._batches.clear()
+        self._count = 0
+
     def _prune(self) -> None:
         cutoff = self._clock() - self.window_s
         while self._batches and self._batches[0][0] < cutoff:

@@ -101,3 +101,33 @@ def test_sliding_window_keeps_steps_whole_and_bounded():
     assert len(window) == 4
     clock.t += 10
     assert len(window) == 0 and window.percentile(90) is None
+
+
+def test_a_cut_starts_the_latency_windows_afresh():
+    """The autotuner loop clears the TTFT/ITL windows when it cuts: the samples that caused
+    the cut must not cut again once the cooldown is over (windup on a stale p90)."""
+    import dataclasses
+
+    from serve.admission.controller import Controller, ControllerConfig
+    from serve.admission.limiter import AdmissionLimiter
+    from serve.admission.loop import AutotuneLoop
+    from serve.settings import Settings
+
+    clock = Clock()
+    cfg = dataclasses.replace(ControllerConfig.from_settings(Settings(device="cuda")),
+                              ceiling=32, itl_target_s=0.05)
+    limiter = AdmissionLimiter(32, max_queue=100, max_queue_wait_s=60, clock=clock)
+    feed = EngineStatsFeed(window_s=10.0, clock=clock)
+    loop = AutotuneLoop(Controller(cfg, 32), limiter, feed, interval_s=1.0, clock=clock)
+    slots = [limiter.slots.take(clock()) for _ in range(32)]
+    feed.record(Sched(32, 0), Iter(inter_token_latencies_iter=[0.2] * 64))
+    clock.t += 1
+    limiter.slots.arrived()
+    d = loop.tick()
+    assert d.direction == "down" and d.reason == "slo_itl"
+    assert len(feed.itl) == 0 and feed.itl.percentile(90) is None
+    # Fresh samples under the new limit are what the next decisions read.
+    feed.record(Sched(16, 0), Iter(inter_token_latencies_iter=[0.01] * 16))
+    assert feed.itl.percentile(90) == 0.01
+    for slot in slots:
+        slot.release()
