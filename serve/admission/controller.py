@@ -30,7 +30,12 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
   streams decoding beside it, and a cut would only refuse the queued rest of the burst.
   With requests queued, the limit rises to :meth:`Controller.idle_limit` recomputed on the
   burst's own prefill rate, when that is higher. A preemption or a full KV cache still
-  cuts at once.
+  cuts at once. The grace ends early when requests still arrive two ticks after the burst
+  began: that is sustained traffic, not a burst.
+- **Overload limit**: a busy period that was cut on an overload while requests kept
+  arriving ends at what the engine held under every target; the next idle limit is at most
+  that (:meth:`Controller.idle_limit`). After every cut the loop
+  (:class:`~serve.admission.loop.AutotuneLoop`) starts the latency windows afresh.
 - Bounds ``[min_seqs, ceiling]`` always; ``ceiling`` is the engine's ``--max-num-seqs``.
 
 Sources: Netflix concurrency-limits ``AIMDLimit`` / ``Gradient2Limit`` (multiplicative backoff
@@ -234,8 +239,8 @@ class Controller:
         an overload while requests kept arriving (sustained traffic, not the drain of a
         burst). That is what the engine held at that traffic under *all* targets, the
         inter-token one included, which neither fit sees: on the CPU engine every image
-        encode stalls every running stream, and the fits said 32 where T6's overload settled
-        at 16. Demand probes raise the limit past it again when the traffic allows.
+        encode stalls every running stream, and the fits said 26-32 where the best fixed limit
+        of the CPU suite's T2 and T6 was 16. Demand probes raise the limit past it again when the traffic allows.
 
         ``start`` (the boot figure, which assumes the largest image in every request) until
         requests have finished, and always where no capacity was set (:meth:`set_capacity`:

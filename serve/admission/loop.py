@@ -120,8 +120,8 @@ class AutotuneLoop:
                 # The latency windows hold the samples that caused the cut: start them afresh
                 # so the next decision reads the new limit only (as Envoy's adaptive
                 # concurrency filter samples each interval anew). Kept, they cut again on the
-                # same stale p90 once the cooldown ended: 32 -> 16 -> 8 -> 4 in 7 s on the
-                # CPU engine's T1 with a 5-s window and a 3-s cooldown.
+                # same stale p90 once the cooldown ended: 32 -> 16 -> 8 -> 4 in 7 s in the
+                # CPU suite's T2 with a 5-s window and a 3-s cooldown.
                 self.feed.ttft.clear()
                 self.feed.itl.clear()
             if decision.direction != "hold":
