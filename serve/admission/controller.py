@@ -239,8 +239,9 @@ class Controller:
         an overload while requests kept arriving (sustained traffic, not the drain of a
         burst). That is what the engine held at that traffic under *all* targets, the
         inter-token one included, which neither fit sees: on the CPU engine every image
-        encode stalls every running stream, and the fits said 26-32 where the best fixed limit
-        of the CPU suite's T2 and T6 was 16. Demand probes raise the limit past it again when the traffic allows.
+        encode stalls every running stream, and the fits said 26-32 where the best fixed
+        limit of the CPU suite's T2 and T6 was 16. Demand probes raise the limit past it
+        again when the traffic allows.
 
         ``start`` (the boot figure, which assumes the largest image in every request) until
         requests have finished, and always where no capacity was set (:meth:`set_capacity`:
