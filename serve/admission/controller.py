@@ -182,6 +182,11 @@ class Decision:
     direction: Direction
     reason: str
 
+    @property
+    def is_cut(self) -> bool:
+        """A decrease on an overload signal (not the restore of an idle limit)."""
+        return self.direction == "down" and self.reason != "idle"
+
 
 @dataclass
 class Controller:

@@ -116,7 +116,7 @@ class AutotuneLoop:
             decision = self.controller.step(signals)
             if decision.new_limit != self.limiter.limit:
                 self.limiter.set_limit(decision.new_limit)
-            if decision.direction == "down" and decision.reason != "idle":
+            if decision.is_cut:
                 # The latency windows hold the samples that caused the cut: start them afresh
                 # so the next decision reads the new limit only (as Envoy's adaptive
                 # concurrency filter samples each interval anew). Kept, they cut again on the
