@@ -739,12 +739,17 @@ def cpu_capacity_benchmark(out: Path, seed: int = 0) -> Capacity:
     for key, phase in phases.items():
         trace = backlog_trace(phase, n, seed)
         bodies = ce.build_bodies(trace, process.TINY_MODEL.name)
-        replay, _, foreign = ce.run_setting(setting, trace, bodies, common,
-                                            out / "cpu-capacity", drain_s=600)
-        done = [r.finish_s for r in replay.results if r.finish_s is not None]
-        found[key] = len(done) / max(done)
-        print(f"  {key}: {len(done)}/{n} finished in {max(done):.1f} s = {found[key]:.2f}/s "
-              f"(other processes {foreign or 0:.2f} cores)", flush=True)
+        for attempt in (1, 2):  # a run that shared the cores with other work, once more
+            replay, _, foreign = ce.run_setting(setting, trace, bodies, common,
+                                                out / "cpu-capacity", 600, attempt)
+            done = [r.finish_s for r in replay.results if r.finish_s is not None]
+            found[key] = len(done) / max(done)
+            noisy = foreign is not None and foreign > NOISY_CORES
+            print(f"  {key}: {len(done)}/{n} finished in {max(done):.1f} s = "
+                  f"{found[key]:.2f}/s (other processes {foreign or 0:.2f} cores"
+                  + (", NOISY)" if noisy else ")"), flush=True)
+            if not noisy:
+                break
     return replace(base, **found)
 
 

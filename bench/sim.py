@@ -174,6 +174,8 @@ class Setup:
         max_queue_wait_s: seconds a request may wait for a slot before ``queue_timeout``.
         slo_shedding: reject at once a request whose expected queue wait exceeds the TTFT
             target (what :class:`~serve.admission.middleware.AdmissionMiddleware` does).
+        engine_queue: requests admitted past the limit at the ceiling, waiting in the
+            engine (the limiter's ``engine_queue``, bounded by the TTFT target as there).
     """
 
     engine: EngineConfig
@@ -185,6 +187,7 @@ class Setup:
     max_queue: int
     max_queue_wait_s: float
     slo_shedding: bool = True
+    engine_queue: int = 0
 
     @classmethod
     def default(cls) -> "Setup":
@@ -211,7 +214,7 @@ class Setup:
         return cls(engine=engine, slo=SloTargets(s.slo_ttft_s, s.slo_itl_s), controller=config,
                    start_limit=start, interval_s=s.autotune_interval_s,
                    window_s=s.autotune_window_s, max_queue=s.max_queue,
-                   max_queue_wait_s=s.max_queue_wait_s)
+                   max_queue_wait_s=s.max_queue_wait_s, engine_queue=s.engine_queue)
 
 
 @dataclass(frozen=True)
@@ -348,7 +351,9 @@ class SimGate:
 
     Args:
         limit, max_queue, max_queue_wait_s, clock: as :class:`AdmissionLimiter`.
-        shed_ttft_s: TTFT target for SLO shedding, None to disable it.
+        shed_ttft_s: TTFT target for SLO shedding (and the engine queue's bound), None to
+            disable it.
+        ceiling, engine_queue: as :class:`SlotCounter` (no engine queue by default).
         on_admit: called with ``(result, slot)`` when a request enters the engine.
         on_drop: called with ``(result, reason)`` when the gate rejects a request.
     """
@@ -356,8 +361,10 @@ class SimGate:
     def __init__(self, limit: int, max_queue: int, max_queue_wait_s: float,
                  clock: Callable[[], float], shed_ttft_s: float | None,
                  on_admit: Callable[[RequestResult, Slot], None],
-                 on_drop: Callable[[RequestResult, str], None]) -> None:
-        self.slots = SlotCounter(limit, clock=clock, on_free=self._wake)
+                 on_drop: Callable[[RequestResult, str], None],
+                 ceiling: int | None = None, engine_queue: int = 0) -> None:
+        self.slots = SlotCounter(limit, clock=clock, on_free=self._wake, ceiling=ceiling,
+                                 engine_queue=engine_queue, engine_queue_wait_s=shed_ttft_s)
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self.clock = clock
@@ -467,7 +474,9 @@ class Simulation:
         limit = setup.start_limit if limit is None else limit
         self.gate = SimGate(limit, setup.max_queue, setup.max_queue_wait_s, self.clock,
                             setup.slo.ttft_s if setup.slo_shedding and not unlimited
-                            else None, self._admit, self._drop)
+                            else None, self._admit, self._drop,
+                            ceiling=None if unlimited else engine.max_num_seqs,
+                            engine_queue=setup.engine_queue)
         self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock)
         config = replace(setup.controller, ceiling=engine.max_num_seqs,
                          min_seqs=min(setup.controller.min_seqs, engine.max_num_seqs))

@@ -4,10 +4,12 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
 
 - **Decrease** multiplicatively (``limit * decrease_factor``, or ``* target / measured`` when
   a latency is further over its target, at most halving) on any sign of overload:
-  engine-side TTFT p90 or ITL p90 over target, a preemption since the last tick, or KV-cache
-  usage at/above ``kv_high_ratio``. Then hold for ``cooldown_s`` so the effect can show before
-  the next move: no increase, and no further cut on latency or KV usage (they still reflect
-  the old limit); a preemption still cuts at once.
+  engine-side TTFT p90 over target (unless the engine queue holds requests: then it counts
+  their wait for a batch slot, :meth:`Controller.overload_reason`), the p90 of the finished
+  requests' mean inter-token latency (TPOT) over the ITL target, a preemption since the last
+  tick, or KV-cache usage at/above ``kv_high_ratio``. Then hold for ``cooldown_s`` so the
+  effect can show before the next move: no increase, and no further cut on latency or KV
+  usage (they still reflect the old limit); a preemption still cuts at once.
 - **Increase** additively (``max(1, ceil(limit * increase_ratio))``, at most ``max_step``)
   only when the limit is what binds (in-flight >= limit), requests are queued at the gateway,
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
@@ -144,7 +146,9 @@ class Signals:
         kv_cache_usage: vLLM KV-cache usage, 0-1.
         preemptions: engine preemptions since the previous sample.
         ttft_p90_s: engine-side TTFT p90 over the sliding window, seconds (None: no samples).
-        itl_p90_s: inter-token latency p90 over the window, seconds (None: no samples).
+        itl_p90_s: p90 over the requests finished in the window of their mean inter-token
+            latency (TPOT: what the goodput rule judges a request by), seconds (None: no
+            samples).
         gpu_utilization: 0-1 from NVML, None where unavailable (CPU).
         arrivals: requests that arrived since the previous sample (admitted, queued or
             refused; None: unknown).
@@ -154,6 +158,8 @@ class Signals:
             the first.
         prefill_tokens_per_s: prompt tokens/s the engine prefilled on the last burst
             (:class:`~serve.admission.engine_stats.EngineStatsFeed`), None before one.
+        engine_queued: requests admitted past the ceiling, waiting inside vLLM for a batch
+            slot (the limiter's engine queue; 0 below the ceiling).
     """
 
     t: float
@@ -170,6 +176,7 @@ class Signals:
     mean_request_tokens: float | None = None
     mean_prompt_tokens: float | None = None
     prefill_tokens_per_s: float | None = None
+    engine_queued: int = 0
 
 
 @dataclass(frozen=True)
@@ -269,20 +276,31 @@ class Controller:
         return max(self.config.min_seqs, min(self.config.ceiling, n))
 
     def overload_reason(self, s: Signals) -> str | None:
-        """Why the engine is overloaded now, or None."""
+        """Why the engine is overloaded now, or None.
+
+        A TTFT over its target while the engine queue holds requests (``engine_queued``) is
+        not one: vLLM counts a request's TTFT from its arrival in the engine, so at the
+        ceiling it includes the wait for a batch slot, which a lower limit would only move
+        to the gateway queue (and the limiter bounds that wait by the TTFT target). In
+        ``make bench`` a saturated, healthy engine read as overloaded that way and was cut
+        32 -> 16 -> 8 on ``slo_ttft`` while plain vLLM kept its whole batch.
+        """
         c = self.config
         if s.preemptions > 0:
             return "preemption"
         if s.kv_cache_usage >= c.kv_high_ratio:
             return "kv_cache"
-        if s.ttft_p90_s is not None and s.ttft_p90_s > c.ttft_target_s:
+        if s.ttft_p90_s is not None and s.ttft_p90_s > c.ttft_target_s \
+                and not s.engine_queued:
             return "slo_ttft"
         if s.itl_p90_s is not None and s.itl_p90_s > c.itl_target_s:
             return "slo_itl"
         return None
 
     def has_headroom(self, s: Signals) -> bool:
-        """Latency (and GPU, when known) leave room for more sequences."""
+        """Latency (and GPU, when known) leave room for more sequences. No TPOT sample in
+        the window (no request finished since it was started afresh) is no evidence of
+        room: the requests running may be the slow ones."""
         c = self.config
         ttft_ok = s.ttft_p90_s is None or s.ttft_p90_s < c.headroom * c.ttft_target_s
         itl_ok = s.itl_p90_s is None or s.itl_p90_s < c.headroom * c.itl_target_s

@@ -110,6 +110,13 @@ class SlotCounter:
             vLLM, already tokenized and preprocessed, and a finished sequence's batch slot is
             refilled at the next engine step (as raw vLLM's own waiting queue does) instead of
             after a request crossed the gateway. Below the ceiling the limit is exact.
+        engine_queue_wait_s: the longest expected wait for a batch slot (seconds) of a
+            request admitted into the engine queue (the TTFT target; None: no bound). Once
+            the completion rate is known, the engine queue holds at most ``rate x
+            engine_queue_wait_s`` requests (:attr:`capacity`): the rest wait at the gateway,
+            where SLO shedding sees them, instead of inside vLLM past their TTFT target (on
+            the CPU suite's T6, chat at 2x capacity, 32 engine-queued requests waited ~5 s
+            for a slot against a 2-s target).
         on_free: called (no arguments) whenever room may have appeared: a slot released or
             the limit raised (the queueing half admits its next waiters then).
 
@@ -120,11 +127,13 @@ class SlotCounter:
     def __init__(self, limit: int, rate_window_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  ceiling: int | None = None, engine_queue: int = 0,
-                 on_free: Callable[[], None] | None = None) -> None:
+                 on_free: Callable[[], None] | None = None,
+                 engine_queue_wait_s: float | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.ceiling = ceiling
         self.engine_queue = engine_queue
+        self.engine_queue_wait_s = engine_queue_wait_s
         self.rate_window_s = rate_window_s
         self.clock = clock
         self.on_free = on_free
@@ -142,10 +151,24 @@ class SlotCounter:
 
     @property
     def capacity(self) -> int:
-        """Requests admitted at most now: the limit, plus ``engine_queue`` at the ceiling."""
-        if self.ceiling is not None and self._limit >= self.ceiling:
-            return self._limit + self.engine_queue
-        return self._limit
+        """Requests admitted at most now: the limit, plus at the ceiling the engine queue
+        (``engine_queue``, at most ``completion rate x engine_queue_wait_s`` of it once the
+        rate is known: the requests that get a batch slot within that wait)."""
+        if self.ceiling is None or self._limit < self.ceiling or not self.engine_queue:
+            return self._limit
+        queue = self.engine_queue
+        if self.engine_queue_wait_s is not None:
+            rate = self.completion_rate()
+            if rate is not None:
+                queue = min(queue, math.floor(rate * self.engine_queue_wait_s))
+        return self._limit + queue
+
+    def ahead(self) -> int:
+        """Admitted requests that still wait for a batch slot: those past the ceiling (in
+        the engine queue) or past a lowered limit (draining). A queued request waits for
+        these to be served before its own turn."""
+        batch = self._limit if self.ceiling is None else min(self._limit, self.ceiling)
+        return max(0, self._in_flight - batch)
 
     @property
     def in_flight(self) -> int:
@@ -226,15 +249,17 @@ class SlotCounter:
         return (len(self._completions) - 1) / max(busy, 1e-3)
 
     def expected_wait_s(self, position: int) -> float | None:
-        """Expected seconds until a request ``position`` places from the head (0 = next) is
-        admitted: ``(position + 1) / completion_rate`` (Little's law on the drain rate).
-        None when all slots are free or no rate is known yet."""
-        if self.has_room() and position == 0:
+        """Expected seconds until a request ``position`` places from the head of the gateway
+        queue (0 = next) gets a batch slot in the engine: ``(ahead + position + 1) /
+        completion_rate`` (Little's law on the drain rate), where ``ahead`` (:meth:`ahead`)
+        counts the admitted requests still waiting for one. 0 when a slot is free for the
+        head; None when no rate is known yet."""
+        if self.has_room() and position == 0 and not self.ahead():
             return 0.0
         rate = self.completion_rate()
         if rate is None:
             return None
-        return (position + 1) / rate
+        return (self.ahead() + position + 1) / rate
 
     def arrived(self) -> None:
         """Count a request arriving (whatever then becomes of it): the autotuner tells an
@@ -265,15 +290,17 @@ class AdmissionLimiter:
         max_queue: most requests waiting for a slot; one more is rejected ``queue_full``.
         max_queue_wait_s: a queued request not admitted within this many seconds is rejected
             ``queue_timeout``.
-        rate_window_s, clock, ceiling, engine_queue: as :class:`SlotCounter`.
+        rate_window_s, clock, ceiling, engine_queue, engine_queue_wait_s: as
+            :class:`SlotCounter`.
     """
 
     def __init__(self, limit: int, max_queue: int, max_queue_wait_s: float,
                  rate_window_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
-                 ceiling: int | None = None, engine_queue: int = 0) -> None:
+                 ceiling: int | None = None, engine_queue: int = 0,
+                 engine_queue_wait_s: float | None = None) -> None:
         self.slots = SlotCounter(limit, rate_window_s, clock, ceiling, engine_queue,
-                                 on_free=self._wake)
+                                 on_free=self._wake, engine_queue_wait_s=engine_queue_wait_s)
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock

@@ -94,13 +94,14 @@ class AutotuneLoop:
             # Requests waiting inside vLLM at the ceiling (the limiter's engine queue) are not
             # in the batch: the controller sees at most the ceiling in flight.
             in_flight=min(snap.in_flight, self.controller.config.ceiling),
+            engine_queued=max(0, snap.in_flight - self.controller.config.ceiling),
             engine_running=self.feed.running,
             engine_waiting=self.feed.waiting,
             kv_cache_usage=self.feed.kv_cache_usage,
             preemptions=preempted,
             arrivals=arrivals,
             ttft_p90_s=self.feed.ttft.percentile(90),
-            itl_p90_s=self.feed.itl.percentile(90),
+            itl_p90_s=self.feed.tpot.percentile(90),
             mean_request_tokens=self.feed.mean_request_tokens,
             mean_prompt_tokens=self.feed.mean_prompt_tokens,
             prefill_tokens_per_s=self.feed.prefill_tokens_per_s,
@@ -123,7 +124,7 @@ class AutotuneLoop:
                 # same stale p90 once the cooldown ended: 32 -> 16 -> 8 -> 4 in 7 s in the
                 # CPU suite's T2 with a 5-s window and a 3-s cooldown.
                 self.feed.ttft.clear()
-                self.feed.itl.clear()
+                self.feed.tpot.clear()
             if decision.direction != "hold":
                 log.info("max_num_seqs %d -> %d (%s)", decision.old_limit, decision.new_limit,
                          decision.reason)

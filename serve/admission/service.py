@@ -38,7 +38,8 @@ class Admission:
         metrics = metrics if metrics is not None else Metrics()
         config = ControllerConfig.from_settings(s)
         limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s,
-                                   ceiling=s.max_num_seqs, engine_queue=s.engine_queue)
+                                   ceiling=s.max_num_seqs, engine_queue=s.engine_queue,
+                                   engine_queue_wait_s=s.slo_ttft_s)
         feed = EngineStatsFeed(window_s=s.autotune_window_s)
         loop = AutotuneLoop(Controller(config, s.admission_limit), limiter, feed,
                             mode=s.autotune, interval_s=s.autotune_interval_s, metrics=metrics)

@@ -288,3 +288,21 @@ def test_idle_limit_remembers_where_a_sustained_overload_settled():
     assert d.direction == "down" and c.limit < 16
     d = c.step(Signals(t=80, **fits))
     assert (d.reason, d.new_limit) == ("idle", 32)
+
+
+def test_ttft_over_target_with_the_engine_queue_in_use_is_not_an_overload():
+    """At the ceiling, vLLM counts the wait for a batch slot of the engine-queued requests in
+    their TTFT: a lower limit would only move that wait to the gateway. The inter-token
+    latency, a preemption or a full KV cache still cut there; below the ceiling a TTFT
+    breach cuts as before."""
+    c = Controller(CFG, limit=64)
+    d = c.step(busy(0, 64, ttft_p90_s=3.0, engine_queued=20))
+    assert (d.direction, d.new_limit) == ("hold", 64) and not d.is_cut
+    assert c.step(busy(2, 64, ttft_p90_s=3.0, itl_p90_s=0.3, engine_queued=20)).reason \
+        == "slo_itl"
+    c = Controller(CFG, limit=64)
+    assert c.step(busy(0, 64, ttft_p90_s=3.0, preemptions=1, engine_queued=20)).reason \
+        == "preemption"
+    c = Controller(CFG, limit=64)
+    d = c.step(busy(0, 64, ttft_p90_s=3.0))
+    assert d.is_cut and d.reason == "slo_ttft"

@@ -18,6 +18,7 @@ class Sched:
 class Done:
     num_prompt_tokens: int
     num_generation_tokens: int
+    mean_time_per_output_token: float = 0.0
 
 
 @dataclass
@@ -103,8 +104,20 @@ def test_sliding_window_keeps_steps_whole_and_bounded():
     assert len(window) == 0 and window.percentile(90) is None
 
 
+def test_tpot_window_holds_finished_requests_mean_itl():
+    """The ITL signal is the requests' own mean inter-token latency (what the goodput rule
+    judges), from vLLM's finished-request stats; one-token answers have none, and single
+    token gaps do not enter it."""
+    feed = EngineStatsFeed(clock=Clock())
+    feed.record(Sched(2, 0), Iter(inter_token_latencies_iter=[0.3] * 8))  # a stall's gaps
+    assert feed.tpot.percentile(90) is None
+    feed.record(Sched(0, 0), Iter(finished_requests=[
+        Done(100, 50, 0.02), Done(100, 1, 0.0), Done(100, 20, 0.04)]))
+    assert len(feed.tpot) == 2 and feed.tpot.percentile(90) == 0.04
+
+
 def test_a_cut_starts_the_latency_windows_afresh():
-    """The autotuner loop clears the TTFT/ITL windows when it cuts: the samples that caused
+    """The autotuner loop clears the TTFT/TPOT windows when it cuts: the samples that caused
     the cut must not cut again once the cooldown is over (windup on a stale p90)."""
     import dataclasses
 
@@ -120,14 +133,15 @@ def test_a_cut_starts_the_latency_windows_afresh():
     feed = EngineStatsFeed(window_s=10.0, clock=clock)
     loop = AutotuneLoop(Controller(cfg, 32), limiter, feed, interval_s=1.0, clock=clock)
     slots = [limiter.slots.take(clock()) for _ in range(32)]
-    feed.record(Sched(32, 0), Iter(inter_token_latencies_iter=[0.2] * 64))
+    feed.record(Sched(32, 0), Iter(finished_requests=[Done(100, 64, 0.2)] * 8))
     clock.t += 1
     limiter.slots.arrived()
     d = loop.tick()
     assert d.direction == "down" and d.reason == "slo_itl"
-    assert len(feed.itl) == 0 and feed.itl.percentile(90) is None
+    assert loop.last_signals.itl_p90_s == 0.2
+    assert len(feed.tpot) == 0 and feed.tpot.percentile(90) is None
     # Fresh samples under the new limit are what the next decisions read.
-    feed.record(Sched(16, 0), Iter(inter_token_latencies_iter=[0.01] * 16))
-    assert feed.itl.percentile(90) == 0.01
+    feed.record(Sched(16, 0), Iter(finished_requests=[Done(100, 64, 0.01)] * 4))
+    assert feed.tpot.percentile(90) == 0.01
     for slot in slots:
         slot.release()

@@ -218,3 +218,52 @@ async def test_engine_queue_only_at_the_ceiling():
     for s in [*slots[4:], slot]:
         s.release()
     assert lim.in_flight == 0
+
+
+async def test_engine_queue_holds_what_meets_the_ttft_target():
+    """At the ceiling the engine queue takes only the requests that get a batch slot within
+    the TTFT target at the measured drain rate; the rest wait at the gateway, where SLO
+    shedding counts the engine-queued ones ahead of them."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=4, max_queue=100, max_queue_wait_s=60, clock=clock,
+                           ceiling=4, engine_queue=32, engine_queue_wait_s=1.5)
+    assert lim.capacity == 36  # no rate yet: the whole engine queue
+    for _ in range(3):  # a drain rate of 2 requests/s of busy time
+        s = await lim.acquire()
+        clock.t += 0.5
+        s.release()
+    assert lim.completion_rate() == pytest.approx(2.0, rel=0.01)
+    assert lim.capacity == 4 + 3  # floor(2/s x 1.5 s) engine-queued
+    slots = [await asyncio.wait_for(lim.acquire(), 1) for _ in range(7)]
+    assert lim.in_flight == 7 and lim.slots.ahead() == 3
+    # The next one queues at the gateway; its batch slot comes after the 3 engine-queued:
+    # (3 + 0 + 1) / 2 = 2 s.
+    assert lim.expected_wait_s(0) == pytest.approx(2.0, rel=0.01)
+    with pytest.raises(Rejected) as exc:
+        await lim.acquire(ttft_target_s=1.5)
+    assert exc.value.reason == SLO
+    queued = asyncio.create_task(lim.acquire(ttft_target_s=10.0))
+    await asyncio.sleep(0)
+    assert lim.pending == 1
+    slots[0].release()  # a batch slot frees: the engine queue has room again
+    slot = await asyncio.wait_for(queued, 1)
+    for s in [*slots[1:], slot]:
+        s.release()
+    assert lim.in_flight == 0 and lim.pending == 0
+
+
+async def test_expected_wait_counts_a_draining_limit():
+    """After the limit was lowered below the requests in flight, a queued request waits for
+    the excess to finish too."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=4, max_queue=100, max_queue_wait_s=60, clock=clock)
+    for _ in range(3):
+        s = await lim.acquire()
+        clock.t += 1.0
+        s.release()
+    slots = [await lim.acquire() for _ in range(4)]
+    lim.set_limit(2)
+    assert lim.slots.ahead() == 2
+    assert lim.expected_wait_s(0) == pytest.approx((2 + 1) / 1.0, rel=0.01)
+    for s in slots:
+        s.release()

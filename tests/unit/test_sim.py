@@ -50,7 +50,9 @@ class CheckedSimulation(Simulation):
     """Asserts the engine's and the gate's invariants after every step and admission."""
 
     def _admit(self, result, slot):
-        assert self.gate.in_flight <= self.gate.limit  # admitted only into a free slot
+        # admitted only into a free slot: the limit, plus the engine queue at the ceiling
+        assert self.gate.in_flight <= self.gate.slots.capacity
+        self.peak_in_flight = max(getattr(self, "peak_in_flight", 0), self.gate.in_flight)
         super()._admit(result, slot)
 
     def check(self) -> None:
@@ -62,7 +64,7 @@ class CheckedSimulation(Simulation):
             assert s.blocks == -(-s.computed // eng.block_size)
         assert len(self.running) <= eng.max_num_seqs
         assert self.gate.in_flight == len(self.running) + len(self.waiting)
-        if self.mode == "static":
+        if self.mode == "static" and self.gate.limit < eng.max_num_seqs:
             assert self.gate.in_flight <= self.gate.limit
 
 
@@ -79,6 +81,21 @@ def long_trace(rate: float = 3.0, seconds: float = 40.0):
 def test_kv_and_limit_invariants(short_trace, mode, limit):
     tight = replace(SETUP, engine=replace(GPU_LIKE, num_gpu_blocks=600))
     checked_run(short_trace, mode, limit, tight)
+
+
+def test_engine_queue_at_the_ceiling_as_on_the_server(short_trace):
+    """At the ceiling the simulator's gate admits past the limit into the engine's waiting
+    queue, as the server's limiter does (``engine_queue``), never more than the engine
+    serves within the TTFT target at the measured rate; the engine still runs at most its
+    ``max_num_seqs``."""
+    small = replace(SETUP, engine=replace(GPU_LIKE, max_num_seqs=8), engine_queue=8)
+    sim = CheckedSimulation(short_trace, "static", 8, small, on_step=CheckedSimulation.check)
+    sim.run()
+    assert 8 < sim.peak_in_flight <= 16
+    none = replace(small, engine_queue=0)
+    sim = CheckedSimulation(short_trace, "static", 8, none, on_step=CheckedSimulation.check)
+    sim.run()
+    assert sim.peak_in_flight == 8
 
 
 def test_preemption_when_kv_is_tight():
