@@ -38,6 +38,13 @@ per-request and per-token cost shows most, run the most and the longest segments
 gives the A/A control::
 
     noise A/A raw2/raw throughput=X ttft_p50=X (W1 text c=16)
+
+and the one before it what ours adds to the TTFT in front of vLLM's engine per W1 cell
+(:func:`added_ttft_ms`: client mean TTFT minus vLLM's engine-side mean from each server's
+``/metrics``, ours minus raw, ms), the part of the TTFT ratio that the machine's drift between
+segments does not move::
+
+    ttft added ours-raw in front of vLLM's engine (client - engine-side mean, ms) text:c=1=+X ...
 """
 
 from __future__ import annotations
@@ -208,9 +215,8 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
                         if k not in (0, segments - 1):
                             continue
                         n = min(prompts, SEQUENTIAL_PROMPTS)
-                    url = sides[name].server.base_url
-                    runs[name].append(w.serving_benchmark(
-                        url, tokenizer_dir, model, kind, c, n, segment_seed, log))
+                    runs[name].append(segment(sides[name].server.base_url, tokenizer_dir,
+                                              model, kind, c, n, segment_seed, log))
             for name in names:
                 pooled = w.pool_runs(runs[name])
                 pooled["segments"] = [w.pool_runs([one]) for one in runs[name]]
@@ -262,6 +268,43 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
     return out
 
 
+def segment(url: str, tokenizer_dir: Path, model: str, kind: str, concurrency: int,
+            prompts: int, seed: int, log) -> dict:
+    """One W1 segment (:func:`bench.workloads.serving_benchmark`), with vLLM's engine-side
+    mean TTFT over it (``engine_mean_ttft_ms``, from the server's ``/metrics`` before and
+    after): the client's TTFT minus it is what the HTTP path in front of the engine adds."""
+    before = w.engine_ttft_totals(url)
+    result = w.serving_benchmark(url, tokenizer_dir, model, kind, concurrency, prompts, seed,
+                                 log)
+    after = w.engine_ttft_totals(url)
+    if after[1] > before[1]:
+        result["engine_mean_ttft_ms"] = (after[0] - before[0]) / (after[1] - before[1]) * 1000
+    return result
+
+
+def added_ttft_ms(ours: dict, raw: dict) -> float | None:
+    """What ours adds to the TTFT in front of vLLM's engine against raw vLLM in one W1 cell,
+    ms: the median over its segment pairs of ``(client mean TTFT - vLLM's engine-side mean
+    TTFT)`` of ours minus that of raw. Engine-side time (the part that the machine's drift
+    between two segments moves most) cancels out. None where not measured."""
+    pairs = [(a, b) for a, b in zip(ours.get("segments", []), raw.get("segments", []),
+                                    strict=False)
+             if "engine_mean_ttft_ms" in a and "engine_mean_ttft_ms" in b]
+    if not pairs:
+        return None
+    return statistics.median((a["mean_ttft_ms"] - a["engine_mean_ttft_ms"])
+                             - (b["mean_ttft_ms"] - b["engine_mean_ttft_ms"]) for a, b in pairs)
+
+
+def added_line(summary: dict) -> str | None:
+    """The line of :func:`added_ttft_ms` per W1 cell (printed before the A/A control's)."""
+    added = {k: v for k, v in summary.get("added_ttft_ms", {}).items() if v is not None}
+    if not added:
+        return None
+    return ("ttft added ours-raw in front of vLLM's engine (client - engine-side mean, ms) "
+            + " ".join(f"{k.replace(' ', ':')}={v:+.1f}" for k, v in added.items()))
+
+
 def run_json(url: str) -> dict:
     import httpx
 
@@ -309,7 +352,9 @@ def summarize(m: dict) -> dict:
     }
     noise = {"throughput": min(aa_thr.values()), "ttft_p50": max(aa_ttft.values())} \
         if aa_cells else None
+    added = {f"{k} c={c}": added_ttft_ms(o["w1"][k][c], r["w1"][k][c]) for k, c in cells}
     return {"ratios": ratios, "ttft_by_cell": ttft, "throughput_by_cell": thr,
+            "added_ttft_ms": added,
             "aa_throughput_by_cell": aa_thr, "aa_ttft_by_cell": aa_ttft, "noise": noise}
 
 
@@ -434,6 +479,11 @@ def table(m: dict, s: dict) -> str:
     if noise:
         footer += (f"\nA/A control (two identical raw vLLM servers, same rule as ours/raw): "
                    f"`{noise}`.\n")
+    added = added_line(s)
+    if added:
+        footer += (f"\nWhat ours adds in front of the engine (the TTFT ratio above also holds "
+                   f"the engine's drift between segments; this difference does not): "
+                   f"`{added}`.\n")
     return "\n".join(lines) + footer
 
 
@@ -514,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
         print("README.md: benchmark table updated")
     print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if plotted else "")
           + f" in {time.monotonic() - t0:.0f} s")
+    added = added_line(summary)
+    if added:
+        print(added)
     noise = noise_line(summary)
     if noise:
         print(noise)

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import io
 import json
+import statistics
 import threading
 import time
 from base64 import b64encode
@@ -313,13 +314,35 @@ def serving_benchmark(base_url: str, model_dir: Path, model_name: str, kind: str
         return main(args)
 
 
+def engine_ttft_totals(base_url: str) -> tuple[float, float]:
+    """``(sum in seconds, count)`` of vLLM's own engine-side TTFT histogram
+    (``vllm:time_to_first_token_seconds``, from the request's arrival at the engine) on a
+    server's ``/metrics`` (ours serves vLLM's registry too), parsed with prometheus-client.
+    The difference of two readings around a run gives vLLM's mean TTFT of that run."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(timeout=30) as client:
+        text = client.get(base_url + "/metrics").text
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name != "vllm:time_to_first_token_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                total += sample.value
+            elif sample.name.endswith("_count"):
+                count += sample.value
+    return total, count
+
+
 def pool_runs(runs: list[dict]) -> dict:
     """One W1 cell from several runs of :func:`serving_benchmark` (halves of the prompts):
     totals over their summed durations, percentiles over the pooled requests.
 
     Returns ``completed``, ``failed``, ``duration`` (s), ``request_throughput`` (req/s),
     ``output_throughput`` (tokens/s), ``median_ttft_ms``, ``p99_ttft_ms``, ``median_itl_ms``,
-    ``p99_itl_ms``.
+    ``p99_itl_ms``, and where every run has it (:func:`engine_ttft_totals`), ``mean_ttft_ms``
+    (client-side) and ``engine_mean_ttft_ms`` (vLLM's engine-side mean over the same runs).
     """
     duration = sum(r["duration"] for r in runs)
     ttfts = [t for r in runs for t, e in zip(r["ttfts"], r["errors"], strict=False) if not e]
@@ -334,4 +357,7 @@ def pool_runs(runs: list[dict]) -> dict:
         "p99_ttft_ms": percentile(ttfts, 99) * 1000,
         "median_itl_ms": percentile(itls, 50) * 1000,
         "p99_itl_ms": percentile(itls, 99) * 1000,
+        **({"mean_ttft_ms": statistics.mean(ttfts) * 1000,
+            "engine_mean_ttft_ms": statistics.mean(r["engine_mean_ttft_ms"] for r in runs)}
+           if ttfts and all("engine_mean_ttft_ms" in r for r in runs) else {}),
     }

@@ -89,3 +89,45 @@ def test_paired_ratio_is_robust_to_one_slow_segment():
     pooled = compare.paired_ratio({"request_throughput": 1.0}, {"request_throughput": 2.0},
                                   "request_throughput")
     assert pooled == 0.5  # no segments recorded: the pooled ratio
+
+
+def test_ttft_added_in_front_of_the_engine():
+    """Per W1 cell: (client mean TTFT - vLLM's engine-side mean) of ours minus raw's, median
+    over segment pairs; the engine-side part, which drifts between segments, cancels."""
+    def seg(client_ms: float, engine_ms: float) -> dict:
+        return {"mean_ttft_ms": client_ms, "engine_mean_ttft_ms": engine_ms}
+
+    ours = {"segments": [seg(40, 30), seg(60, 50), seg(35, 20)]}  # adds 10, 10, 15
+    raw = {"segments": [seg(25, 16), seg(52, 43), seg(30, 21)]}   # adds 9, 9, 9
+    assert compare.added_ttft_ms(ours, raw) == 1.0
+    assert compare.added_ttft_ms({"segments": [{}]}, raw) is None
+    line = compare.added_line({"added_ttft_ms": {"text c=4": 1.0, "text c=16": None}})
+    assert line == ("ttft added ours-raw in front of vLLM's engine (client - engine-side "
+                    "mean, ms) text:c=4=+1.0")
+    pooled = pool_runs([{"duration": 1.0, "completed": 2, "failed": 0,
+                         "total_output_tokens": 2, "ttfts": [0.1, 0.3], "errors": ["", ""],
+                         "itls": [[0.01]], "engine_mean_ttft_ms": 150.0}])
+    assert pooled["mean_ttft_ms"] == 200.0 and pooled["engine_mean_ttft_ms"] == 150.0
+
+
+def test_engine_ttft_totals_read_vllm_histogram(monkeypatch):
+    """The sum and count of ``vllm:time_to_first_token_seconds`` in a real Prometheus text
+    exposition (prometheus-client writes it; the peer serving it is faked, not the parser)."""
+    import httpx
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from bench import workloads
+
+    registry = CollectorRegistry()
+    hist = Histogram("vllm:time_to_first_token_seconds", "TTFT", ["model_name"],
+                     registry=registry)
+    for v in (0.1, 0.2, 0.3):
+        hist.labels(model_name="m").observe(v)
+    Histogram("vllm:e2e_request_latency_seconds", "E2E", registry=registry).observe(5.0)
+    body = generate_latest(registry)
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+    real = httpx.Client
+    monkeypatch.setattr(workloads.httpx, "Client",
+                        lambda **kw: real(transport=transport, **kw))
+    total, count = workloads.engine_ttft_totals("http://peer")
+    assert count == 3 and abs(total - 0.6) < 1e-9
