@@ -18,6 +18,16 @@ class FakeClock:
         return self.t
 
 
+async def serve_one_by_one(lim: AdmissionLimiter, clock: FakeClock, n: int,
+                           seconds: float) -> None:
+    """``n`` requests served one after another, ``seconds`` each: a drain rate of
+    ``1 / seconds`` requests per second of busy time."""
+    for _ in range(n):
+        slot = await lim.acquire()
+        clock.t += seconds
+        slot.release()
+
+
 async def test_fifo_order():
     lim = AdmissionLimiter(limit=1, max_queue=10, max_queue_wait_s=5)
     first = await lim.acquire()
@@ -70,11 +80,7 @@ async def test_queue_timeout():
 async def test_slo_shedding_uses_completion_rate():
     clock = FakeClock()
     lim = AdmissionLimiter(limit=1, max_queue=100, max_queue_wait_s=60, clock=clock)
-    # Establish a drain rate of 1 request/s.
-    for _ in range(4):
-        s = await lim.acquire()
-        clock.t += 1.0
-        s.release()
+    await serve_one_by_one(lim, clock, 4, 1.0)  # a drain rate of 1 request/s
     assert lim.completion_rate() == pytest.approx(1.0, rel=0.01)
     clock.t += 20.0  # idle time does not dilute the service rate of a busy server
     assert lim.completion_rate() == pytest.approx(1.0, rel=0.01)
@@ -228,10 +234,7 @@ async def test_engine_queue_holds_what_meets_the_ttft_target():
     lim = AdmissionLimiter(limit=4, max_queue=100, max_queue_wait_s=60, clock=clock,
                            ceiling=4, engine_queue=32, engine_queue_wait_s=1.5)
     assert lim.capacity == 36  # no rate yet: the whole engine queue
-    for _ in range(3):  # a drain rate of 2 requests/s of busy time
-        s = await lim.acquire()
-        clock.t += 0.5
-        s.release()
+    await serve_one_by_one(lim, clock, 3, 0.5)  # a drain rate of 2 requests/s of busy time
     assert lim.completion_rate() == pytest.approx(2.0, rel=0.01)
     assert lim.capacity == 4 + 3  # floor(2/s x 1.5 s) engine-queued
     slots = [await asyncio.wait_for(lim.acquire(), 1) for _ in range(7)]
@@ -257,10 +260,7 @@ async def test_expected_wait_counts_a_draining_limit():
     the excess to finish too."""
     clock = FakeClock()
     lim = AdmissionLimiter(limit=4, max_queue=100, max_queue_wait_s=60, clock=clock)
-    for _ in range(3):
-        s = await lim.acquire()
-        clock.t += 1.0
-        s.release()
+    await serve_one_by_one(lim, clock, 3, 1.0)
     slots = [await lim.acquire() for _ in range(4)]
     lim.set_limit(2)
     assert lim.slots.ahead() == 2
