@@ -298,9 +298,9 @@ class Controller:
         return None
 
     def has_headroom(self, s: Signals) -> bool:
-        """Latency (and GPU, when known) leave room for more sequences. No TPOT sample in
-        the window (no request finished since it was started afresh) is no evidence of
-        room: the requests running may be the slow ones."""
+        """Latency (and GPU, when known) leave room for more sequences. A window without
+        samples (none since a cut started it afresh, or no request has finished yet) does
+        not block a probe; the KV fit still bounds it (:meth:`kv_fit`)."""
         c = self.config
         ttft_ok = s.ttft_p90_s is None or s.ttft_p90_s < c.headroom * c.ttft_target_s
         itl_ok = s.itl_p90_s is None or s.itl_p90_s < c.headroom * c.itl_target_s
