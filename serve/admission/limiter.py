@@ -254,12 +254,13 @@ class SlotCounter:
         completion_rate`` (Little's law on the drain rate), where ``ahead`` (:meth:`ahead`)
         counts the admitted requests still waiting for one. 0 when a slot is free for the
         head; None when no rate is known yet."""
-        if self.has_room() and position == 0 and not self.ahead():
+        ahead = self.ahead()
+        if position == 0 and not ahead and self.has_room():
             return 0.0
         rate = self.completion_rate()
         if rate is None:
             return None
-        return (self.ahead() + position + 1) / rate
+        return (ahead + position + 1) / rate
 
     def arrived(self) -> None:
         """Count a request arriving (whatever then becomes of it): the autotuner tells an
