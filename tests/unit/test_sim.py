@@ -49,10 +49,13 @@ def test_every_request_finishes_or_is_dropped(short_trace, mode, limit):
 class CheckedSimulation(Simulation):
     """Asserts the engine's and the gate's invariants after every step and admission."""
 
+    #: Most requests admitted at once so far.
+    peak_in_flight = 0
+
     def _admit(self, result, slot):
         # admitted only into a free slot: the limit, plus the engine queue at the ceiling
         assert self.gate.in_flight <= self.gate.slots.capacity
-        self.peak_in_flight = max(getattr(self, "peak_in_flight", 0), self.gate.in_flight)
+        self.peak_in_flight = max(self.peak_in_flight, self.gate.in_flight)
         super()._admit(result, slot)
 
     def check(self) -> None:
