@@ -362,9 +362,11 @@ class SimGate:
                  clock: Callable[[], float], shed_ttft_s: float | None,
                  on_admit: Callable[[RequestResult, Slot], None],
                  on_drop: Callable[[RequestResult, str], None],
-                 ceiling: int | None = None, engine_queue: int = 0) -> None:
+                 ceiling: int | None = None, engine_queue: int = 0,
+                 burst_window_s: float = 2.0) -> None:
         self.slots = SlotCounter(limit, clock=clock, on_free=self._wake, ceiling=ceiling,
-                                 engine_queue=engine_queue, engine_queue_wait_s=shed_ttft_s)
+                                 engine_queue=engine_queue, engine_queue_wait_s=shed_ttft_s,
+                                 burst_window_s=burst_window_s)
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self.clock = clock
@@ -388,14 +390,18 @@ class SimGate:
     def set_limit(self, limit: int) -> None:
         self.slots.set_limit(limit)
 
+    def set_burst_budget(self, tokens: int | None, cap: int | None = None) -> None:
+        self.slots.set_burst_budget(tokens, cap)
+
     def snapshot(self) -> LimiterSnapshot:
         return self.slots.snapshot(self.pending)
 
     def offer(self, result: RequestResult) -> None:
         """A request arrives now: admit, queue or reject it (the middleware's ``_acquire``)."""
         self.slots.arrived()
-        if self.slots.has_room() and not self.queue:
-            self.on_admit(result, self.slots.take(result.arrival_s))
+        tokens = result.request.prompt_tokens
+        if not self.queue and self.slots.admits(tokens):
+            self.on_admit(result, self.slots.take(result.arrival_s, tokens))
             return
         if len(self.queue) >= self.max_queue:
             self.on_drop(result, QUEUE_FULL)
@@ -415,9 +421,10 @@ class SimGate:
 
     def _wake(self) -> None:
         self.expire()
-        while self.queue and self.slots.has_room():
+        while self.queue and self.slots.admits(self.queue[0].request.prompt_tokens):
             result = self.queue.popleft()
-            self.on_admit(result, self.slots.take(result.arrival_s))
+            self.on_admit(result, self.slots.take(result.arrival_s,
+                                                  result.request.prompt_tokens))
 
 
 class _NoGpu:
@@ -476,7 +483,7 @@ class Simulation:
                             setup.slo.ttft_s if setup.slo_shedding and not unlimited
                             else None, self._admit, self._drop,
                             ceiling=None if unlimited else engine.max_num_seqs,
-                            engine_queue=setup.engine_queue)
+                            engine_queue=setup.engine_queue, burst_window_s=setup.slo.ttft_s)
         self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock)
         config = replace(setup.controller, ceiling=engine.max_num_seqs,
                          min_seqs=min(setup.controller.min_seqs, engine.max_num_seqs))

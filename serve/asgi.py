@@ -9,6 +9,9 @@ from serve.errors import openai_error
 
 #: ASGI scope key carrying the request's image count from the intake to the layers behind it.
 IMAGES_SCOPE_KEY = "phi3v.images"
+#: ASGI scope key carrying the intake's estimate of the request's prompt tokens (image tokens
+#: included; ``serve.intake.budget.PromptBudget.estimate``) to admission.
+PROMPT_TOKENS_SCOPE_KEY = "phi3v.prompt_tokens"
 #: ASGI scope key of a per-request dict shared by every layer (scope copies keep the same
 #: dict): admission sets ``client_left`` there when the client disconnected before the answer.
 REQUEST_STATE_KEY = "phi3v.request"

@@ -26,6 +26,11 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
   that prevents oscillation under steady load), and also on a latency breach while the last
   decrease is still draining (in-flight > limit): those slow samples come from requests
   admitted under the old limit, and cutting on them again is windup.
+- **Burst budget**: the limiter admits a burst that reaches an idle engine past the limit
+  while its prompt tokens fit what the engine prefills within the TTFT target
+  (:meth:`Controller.burst_budget`, up to :meth:`Controller.burst_cap`;
+  :meth:`serve.admission.limiter.SlotCounter.admits`): the idle limit's TTFT fit counts
+  mean prompts, the budget the burst's own.
 - **Burst grace**: for ``ttft_target_s + cooldown_s`` after a burst reaches an idle engine
   (admitted at the idle limit, whose TTFT fit bounds its prefill by the TTFT target), a
   latency breach does not cut (reason ``burst``): the burst's own prefill stalls the
@@ -235,6 +240,27 @@ class Controller:
         for :meth:`idle_limit`."""
         self.kv_tokens = kv_tokens
 
+    def adopt(self, limit: int) -> None:
+        """Continue from ``limit`` (clamped), which the limiter set itself: a burst's
+        prefill budget held requests back, and a raise made during the burst became what it
+        admitted (:meth:`serve.admission.limiter.SlotCounter.admits`)."""
+        self.limit = self._clamp(limit)
+
+    def burst_budget(self, prefill_tokens_per_s: float | None) -> int | None:
+        """Prompt tokens a burst reaching an idle engine may bring (the limiter admits it by
+        these, not by count: :meth:`serve.admission.limiter.SlotCounter.admits`), or None.
+
+        ``rate x ttft_target``: what the engine prefills within the TTFT target at the rate
+        it showed on the last burst, image encoding included
+        (:attr:`~serve.admission.engine_stats.EngineStatsFeed.prefill_tokens_per_s`). The
+        TTFT fit of :meth:`idle_limit` in tokens instead of mean prompts, so it holds for each
+        burst's own sizes. None before any rate is known, and where no capacity was set (a
+        pinned ``--admission-limit``: admission by count only).
+        """
+        if not self.kv_tokens or not prefill_tokens_per_s:
+            return None
+        return math.floor(prefill_tokens_per_s * self.config.ttft_target_s)
+
     def idle_limit(self, s: Signals) -> int:
         """The limit an idle engine takes the next burst with (requests).
 
@@ -259,13 +285,23 @@ class Controller:
         requests have finished, and always where no capacity was set (:meth:`set_capacity`:
         the server does not set it when the operator pinned ``--admission-limit``).
         """
+        return self._traffic_limit(s, ttft_fit=True)
+
+    def burst_cap(self, s: Signals | None) -> int:
+        """The most requests a burst admitted by its prefill budget may put in flight: the
+        idle limit (:meth:`idle_limit`) without its TTFT fit, which the budget replaces with
+        the burst's own sizes; the KV fit and the overload limit (what the engine held under
+        the inter-token target) still bound it. ``start`` before any sample."""
+        return self.start if s is None else self._traffic_limit(s, ttft_fit=False)
+
+    def _traffic_limit(self, s: Signals, ttft_fit: bool) -> int:
         c = self.config
         limit = self.start
         if not self.kv_tokens:
             return limit  # no capacity given: the start is fixed (or pinned by the operator)
         if s.mean_request_tokens:
             limit = math.floor(self.kv_tokens * c.kv_high_ratio / s.mean_request_tokens)
-        if s.prefill_tokens_per_s and s.mean_prompt_tokens:
+        if ttft_fit and s.prefill_tokens_per_s and s.mean_prompt_tokens:
             limit = min(limit, math.floor(s.prefill_tokens_per_s * c.ttft_target_s
                                           / s.mean_prompt_tokens))
         if self._overload_limit is not None:

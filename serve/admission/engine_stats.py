@@ -123,6 +123,9 @@ class EngineStatsFeed:
     request_tokens: collections.deque = field(init=False)
     #: Prompt tokens of the last finished requests.
     prompt_tokens: collections.deque = field(init=False)
+    #: Called with the new rate each time a burst measures the prefill rate (the autotune
+    #: loop sets the limiter's burst budget from it, within the burst that measured it).
+    on_prefill_rate: Callable[[float], None] | None = None
     _prefill_rate: float | None = field(default=None, init=False)
     _prefill_rate_s: float = field(default=0.0, init=False)
     _burst_start_s: float | None = field(default=None, init=False)
@@ -188,6 +191,8 @@ class EngineStatsFeed:
         elapsed = min(ttfts)
         if self._burst_count >= BURST_MIN_REQUESTS and elapsed > 0:
             self._prefill_rate, self._prefill_rate_s = self._burst_tokens / elapsed, now
+            if self.on_prefill_rate is not None:
+                self.on_prefill_rate(self._prefill_rate)
 
     def record(self, scheduler_stats, iteration_stats) -> None:
         """Absorb one engine step (vLLM ``SchedulerStats`` / ``IterationStats`` or None)."""

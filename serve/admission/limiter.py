@@ -117,8 +117,11 @@ class SlotCounter:
             where SLO shedding sees them, instead of inside vLLM past their TTFT target (on
             the CPU suite's T6, chat at 2x capacity, 32 engine-queued requests waited ~5 s
             for a slot against a 2-s target).
-        on_free: called (no arguments) whenever room may have appeared: a slot released or
-            the limit raised (the queueing half admits its next waiters then).
+        on_free: called (no arguments) whenever room may have appeared: a slot released,
+            the limit raised or the burst budget changed (the queueing half admits its next
+            waiters then).
+        burst_window_s: seconds a burst's prefill budget applies after it reached an idle
+            counter (the TTFT target; see :meth:`admits`).
 
     Raises:
         ValueError: ``limit`` < 1.
@@ -128,9 +131,19 @@ class SlotCounter:
                  clock: Callable[[], float] = time.monotonic,
                  ceiling: int | None = None, engine_queue: int = 0,
                  on_free: Callable[[], None] | None = None,
-                 engine_queue_wait_s: float | None = None) -> None:
+                 engine_queue_wait_s: float | None = None,
+                 burst_window_s: float = 2.0) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
+        self.burst_window_s = burst_window_s
+        #: Prompt tokens a burst may bring to an idle engine (None: no budget, count only).
+        self.burst_budget: int | None = None
+        #: Most requests in flight a burst may reach past the limit by its budget (None: the
+        #: ceiling).
+        self.burst_cap: int | None = None
+        #: The open burst: [opened at, prompt tokens admitted, requests admitted, the limit
+        #: it arrived at, whether the budget held a request back], or None.
+        self._burst: list | None = None
         self.ceiling = ceiling
         self.engine_queue = engine_queue
         self.engine_queue_wait_s = engine_queue_wait_s
@@ -176,8 +189,79 @@ class SlotCounter:
         return self._in_flight
 
     def has_room(self) -> bool:
-        """Whether one more request may be admitted now."""
+        """Whether one more request may be admitted now by count (the limit, or the
+        capacity at the ceiling)."""
         return self._in_flight < self.capacity
+
+    def admits(self, tokens: int = 0) -> bool:
+        """Whether the next request in FIFO order, of ``tokens`` prompt tokens (image
+        tokens included; 0: unknown), may be admitted now.
+
+        By count (:meth:`has_room`), and during a **burst** also past the limit: requests
+        that reach an idle counter while a :attr:`burst_budget` is set. For
+        :attr:`burst_window_s` after the first of them, a request the limit would queue is
+        admitted when the burst's prompt tokens, its own included, are at most the budget
+        (what the engine prefills within the TTFT target at its measured rate,
+        :meth:`~serve.admission.controller.Controller.burst_budget`), with at most
+        :attr:`burst_cap` in flight (the ceiling at most). A request of unknown size (0) is
+        admitted by count only. The budget only ever adds to the limit the burst arrived at:
+        what that limit admits at once is never held back (an idle engine takes a burst up
+        to its capacity; on the CPU engine a burst of 32 image chats takes ~10 s to prefill,
+        past any TTFT target, and in two waves it would end later than plain vLLM's one).
+        Once the budget held a request back, a raise of the limit during the window admits
+        nothing until the window ends, and then the limit becomes what the burst admitted
+        (when lower): the rest of the burst can no longer meet its TTFT target, and
+        admitted behind the burst's prefill it would stall every stream the burst started
+        (the simulator's T2, gpu-like: a demand probe 1.8 s into a burst admitted 7 more,
+        whose prefill pushed two of the first 32 past the 2-s target).
+
+        Why: the limit an idle engine takes a burst with is fitted to the traffic's mean
+        prompt (:meth:`~serve.admission.controller.Controller.idle_limit`), and a burst's own
+        requests differ in size (one image at ``num_crops=16`` is ~2,300 tokens, a text chat
+        ~250): a burst of smaller prompts than the mean fits more than the count (the
+        simulator's T2, gpu-like: the fit said 26 and 29 where 32 fit and got all 32 in
+        within the target). Only the gateway knows each request's size before the engine.
+        """
+        burst = self._open_burst()
+        if burst is None or tokens <= 0 or self.burst_budget is None:
+            return self.has_room()
+        if self.has_room() and (not burst[4] or self._in_flight < burst[3]):
+            return True  # by count (once the budget held one back: the limit it arrived at)
+        most = self.ceiling or self._limit
+        if self.burst_cap is not None:
+            most = min(most, self.burst_cap)
+        if self._in_flight >= most:
+            return False
+        if burst[1] + tokens > self.burst_budget:
+            burst[4] = True  # the budget held one back: the rest of the burst is late
+            return False
+        return True
+
+    @property
+    def burst_admitted(self) -> tuple[int, int] | None:
+        """The open burst's prompt tokens and requests admitted so far (None: none open)."""
+        burst = self._open_burst()
+        return None if burst is None else (burst[1], burst[2])
+
+    def _open_burst(self) -> list | None:
+        """The open burst, after closing one whose window has ended (and, if its budget
+        held a request back, lowering a limit raised meanwhile to what it admitted)."""
+        burst = self._burst
+        if burst is not None and self.clock() - burst[0] > self.burst_window_s:
+            self._burst = None
+            if burst[4]:
+                self._limit = min(self._limit, max(burst[3], burst[2]))
+            return None
+        return burst
+
+    def set_burst_budget(self, tokens: int | None, cap: int | None = None) -> None:
+        """Set the prompt tokens a burst may bring to an idle engine past the limit
+        (:meth:`admits`; None: none, admission by count only), and the most requests it may
+        put in flight so (None: the ceiling). A budget that changes during a burst (the
+        rate measured on the burst itself) applies to its requests still queued."""
+        self.burst_budget = tokens
+        self.burst_cap = cap
+        self._notify()
 
     def set_limit(self, limit: int) -> None:
         """Change the limit now. Raising it makes room at once; lowering it admits nothing
@@ -191,11 +275,19 @@ class SlotCounter:
         self._limit = limit
         self._notify()
 
-    def take(self, arrived_at: float) -> Slot:
-        """Admit one request that arrived at ``arrived_at`` (clock seconds); the caller checked
-        :meth:`has_room` (or the limit was lowered meanwhile: the slot is counted anyway)."""
-        self._count(+1)
+    def take(self, arrived_at: float, tokens: int = 0) -> Slot:
+        """Admit one request of ``tokens`` prompt tokens that arrived at ``arrived_at``
+        (clock seconds); the caller checked :meth:`admits` (or the limit was lowered
+        meanwhile: the slot is counted anyway). A request reaching an idle counter while a
+        burst budget is set opens a burst."""
         now = self.clock()
+        if self._in_flight == 0:
+            self._burst = [now, 0, 0, self._limit, False]
+        burst = self._open_burst()
+        if burst is not None and tokens > 0:
+            burst[1] += tokens
+            burst[2] += 1
+        self._count(+1)
         return Slot(self, now, now - arrived_at)
 
     def release(self, completed: bool) -> None:
@@ -291,21 +383,24 @@ class AdmissionLimiter:
         max_queue: most requests waiting for a slot; one more is rejected ``queue_full``.
         max_queue_wait_s: a queued request not admitted within this many seconds is rejected
             ``queue_timeout``.
-        rate_window_s, clock, ceiling, engine_queue, engine_queue_wait_s: as
-            :class:`SlotCounter`.
+        rate_window_s, clock, ceiling, engine_queue, engine_queue_wait_s, burst_window_s:
+            as :class:`SlotCounter`.
     """
 
     def __init__(self, limit: int, max_queue: int, max_queue_wait_s: float,
                  rate_window_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  ceiling: int | None = None, engine_queue: int = 0,
-                 engine_queue_wait_s: float | None = None) -> None:
+                 engine_queue_wait_s: float | None = None,
+                 burst_window_s: float = 2.0) -> None:
         self.slots = SlotCounter(limit, rate_window_s, clock, ceiling, engine_queue,
-                                 on_free=self._wake, engine_queue_wait_s=engine_queue_wait_s)
+                                 on_free=self._wake, engine_queue_wait_s=engine_queue_wait_s,
+                                 burst_window_s=burst_window_s)
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        #: Queued requests in FIFO order: (future of the slot, prompt tokens).
+        self._waiters: collections.deque[tuple[asyncio.Future, int]] = collections.deque()
         self._closed = False  # draining or engine lost: queue no one
         self._closed_message = ""
 
@@ -335,7 +430,7 @@ class AdmissionLimiter:
     @property
     def pending(self) -> int:
         """Requests waiting in the queue."""
-        return sum(1 for w in self._waiters if not w.done())
+        return sum(1 for w, _ in self._waiters if not w.done())
 
     def snapshot(self) -> LimiterSnapshot:
         return self.slots.snapshot(self.pending)
@@ -344,6 +439,10 @@ class AdmissionLimiter:
         """Change the limit now (:meth:`SlotCounter.set_limit`); raising it admits queued
         requests at once."""
         self.slots.set_limit(limit)
+
+    def set_burst_budget(self, tokens: int | None, cap: int | None = None) -> None:
+        """:meth:`SlotCounter.set_burst_budget` (queued requests it now fits are admitted)."""
+        self.slots.set_burst_budget(tokens, cap)
 
     def completion_rate(self) -> float | None:
         """:meth:`SlotCounter.completion_rate`."""
@@ -358,12 +457,14 @@ class AdmissionLimiter:
         return self.slots.retry_after_s(self.pending)
 
     # --- admission ----------------------------------------------------------------------
-    async def acquire(self, ttft_target_s: float | None = None) -> Slot:
+    async def acquire(self, ttft_target_s: float | None = None, tokens: int = 0) -> Slot:
         """Wait for a slot, FIFO.
 
         Args:
             ttft_target_s: if given, a request whose expected queue wait already exceeds it is
                 shed at once (reason ``slo``): it could not meet its TTFT target anyway.
+            tokens: the request's prompt tokens, image tokens included (0: unknown), for a
+                burst's prefill budget (:meth:`SlotCounter.admits`).
 
         Returns:
             the request's :class:`Slot`.
@@ -377,8 +478,8 @@ class AdmissionLimiter:
         self.slots.arrived()
         if self._closed:
             raise Rejected(UNAVAILABLE, 1, self._closed_message)
-        if self.slots.has_room() and not self.pending:
-            return self.slots.take(start)
+        if not self.pending and self.slots.admits(tokens):
+            return self.slots.take(start, tokens)
         if self.pending >= self.max_queue:
             raise Rejected(QUEUE_FULL, self.retry_after_s(),
                            f"Server busy: {self.pending} requests already queued "
@@ -390,7 +491,7 @@ class AdmissionLimiter:
                                f"Server busy: expected queue wait {wait:.1f}s exceeds the "
                                f"TTFT target {ttft_target_s:.1f}s.")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        self._waiters.append((fut, tokens))
         try:
             slot = await asyncio.wait_for(asyncio.shield(fut), self.max_queue_wait_s)
         except asyncio.TimeoutError:
@@ -417,7 +518,7 @@ class AdmissionLimiter:
         self._closed_message = message
         refused = 0
         while self._waiters:
-            fut = self._waiters.popleft()
+            fut, _ = self._waiters.popleft()
             if not fut.done():
                 fut.set_exception(Rejected(UNAVAILABLE, retry_after_s, message))
                 refused += 1
@@ -430,14 +531,19 @@ class AdmissionLimiter:
             fut.result().release(completed=False)
         else:
             fut.cancel()
-            try:
-                self._waiters.remove(fut)
-            except ValueError:
-                pass
+            for waiter in self._waiters:
+                if waiter[0] is fut:
+                    self._waiters.remove(waiter)
+                    break
 
     def _wake(self) -> None:
-        while self._waiters and self.slots.has_room():
-            fut = self._waiters.popleft()
+        waiters = self._waiters
+        while waiters:
+            fut, tokens = waiters[0]
             if fut.done():
+                waiters.popleft()
                 continue
-            fut.set_result(self.slots.take(self._clock()))
+            if not self.slots.admits(tokens):
+                break
+            waiters.popleft()
+            fut.set_result(self.slots.take(self._clock(), tokens))

@@ -80,6 +80,19 @@ class AutotuneLoop:
         self.last_signals: Signals | None = None
         self._task: asyncio.Task | None = None
         self.limiter.set_limit(controller.limit)
+        if mode == "auto":
+            feed.on_prefill_rate = self._set_burst_budget
+
+    def _set_burst_budget(self, rate: float | None) -> None:
+        """Give the limiter the prompt tokens a burst may bring at prefill ``rate``
+        (:meth:`Controller.burst_budget`): at every tick, and as soon as a burst measured the
+        rate (the first burst after boot has no rate until its first requests got their
+        first token)."""
+        budget = self.controller.burst_budget(rate)
+        cap = None if budget is None else self.controller.burst_cap(self.last_signals)
+        slots = self.limiter.slots
+        if (budget, cap) != (slots.burst_budget, slots.burst_cap):
+            self.limiter.set_burst_budget(budget, cap)
 
     def sample(self) -> Signals:
         """Read every signal now."""
@@ -114,7 +127,12 @@ class AutotuneLoop:
         self.last_signals = signals
         self.metrics.set_gpu_utilization(signals.gpu_utilization)
         if self.mode == "auto":
+            if self.limiter.limit < self.controller.limit:
+                # A burst's budget held requests back and the limiter lowered a raise made
+                # during the burst to what it admitted (SlotCounter.admits): go on from there.
+                self.controller.adopt(self.limiter.limit)
             decision = self.controller.step(signals)
+            self._set_burst_budget(signals.prefill_tokens_per_s)
             if decision.new_limit != self.limiter.limit:
                 self.limiter.set_limit(decision.new_limit)
             if decision.is_cut:
@@ -161,6 +179,8 @@ class AutotuneLoop:
             "interval_s": self.interval_s,
             "limit": self.limiter.limit,
             "capacity": self.limiter.capacity,
+            "burst_budget": self.limiter.slots.burst_budget,
+            "burst_cap": self.limiter.slots.burst_cap,
             "engine_queue": self.limiter.engine_queue,
             "in_flight": self.limiter.in_flight,
             "pending": self.limiter.pending,

@@ -23,7 +23,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.admission.goodput import SloTargets, non_streamed_good, streamed_good
 from serve.admission.limiter import UNAVAILABLE, AdmissionLimiter, Rejected
-from serve.asgi import IMAGES_SCOPE_KEY, REQUEST_STATE_KEY, ClientGone, read_body, replay
+from serve.asgi import (
+    IMAGES_SCOPE_KEY,
+    PROMPT_TOKENS_SCOPE_KEY,
+    REQUEST_STATE_KEY,
+    ClientGone,
+    read_body,
+    replay,
+)
 from serve.errors import ENGINE_LOST, RETRY_AFTER_S, error_body, openai_error
 from serve.metrics import Metrics
 from serve.routes import GENERATION_ROUTES
@@ -193,7 +200,7 @@ class AdmissionMiddleware:
             metrics.requests.inc()
             # Counted by the intake, which already parsed the body (0 for /v1/completions).
             metrics.images.observe(scope.get(IMAGES_SCOPE_KEY, 0))
-            slot = await self._acquire(receive)
+            slot = await self._acquire(receive, scope.get(PROMPT_TOKENS_SCOPE_KEY, 0))
         except ClientGone:
             return
         except Rejected as rej:
@@ -234,12 +241,14 @@ class AdmissionMiddleware:
                 if tracker.meets(self.slo):
                     metrics.goodput.inc()
 
-    async def _acquire(self, receive: Receive):
-        """Take a slot, giving up (``ClientGone``) if the client disconnects while queued."""
+    async def _acquire(self, receive: Receive, tokens: int = 0):
+        """Take a slot for a request of ``tokens`` prompt tokens (the intake's estimate; 0:
+        unknown), giving up (``ClientGone``) if the client disconnects while queued."""
         lim = self.limiter
-        if lim.slots.has_room() and lim.pending == 0:
-            return await lim.acquire()
-        acquire = asyncio.ensure_future(lim.acquire(ttft_target_s=self.slo.ttft_s))
+        if lim.pending == 0 and lim.slots.admits(tokens):
+            return await lim.acquire(tokens=tokens)
+        acquire = asyncio.ensure_future(lim.acquire(ttft_target_s=self.slo.ttft_s,
+                                                    tokens=tokens))
         watch = asyncio.ensure_future(receive())
         try:
             await asyncio.wait({acquire, watch}, return_when=asyncio.FIRST_COMPLETED)

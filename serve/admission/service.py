@@ -39,7 +39,8 @@ class Admission:
         config = ControllerConfig.from_settings(s)
         limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s,
                                    ceiling=s.max_num_seqs, engine_queue=s.engine_queue,
-                                   engine_queue_wait_s=s.slo_ttft_s)
+                                   engine_queue_wait_s=s.slo_ttft_s,
+                                   burst_window_s=s.slo_ttft_s)
         feed = EngineStatsFeed(window_s=s.autotune_window_s)
         loop = AutotuneLoop(Controller(config, s.admission_limit), limiter, feed,
                             mode=s.autotune, interval_s=s.autotune_interval_s, metrics=metrics)

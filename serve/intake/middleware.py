@@ -22,7 +22,14 @@ import secrets
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serve.asgi import IMAGES_SCOPE_KEY, ClientGone, read_body, replay, with_content_length
+from serve.asgi import (
+    IMAGES_SCOPE_KEY,
+    PROMPT_TOKENS_SCOPE_KEY,
+    ClientGone,
+    read_body,
+    replay,
+    with_content_length,
+)
 from serve.intake.budget import PromptBudget
 from serve.intake.cache import ImageCache, image_key
 from serve.intake.errors import IntakeError
@@ -86,19 +93,20 @@ class IntakeMiddleware:
         header_id = None
         try:
             scope, header_id = unique_request_id_header(scope)
-            body, images, request_id = await self.process(raw, protocol, header_id)
+            body, images, request_id, tokens = await self.process(raw, protocol, header_id)
         except IntakeError as err:
             if header_id is not None:
                 send = echo_request_id(send, header_id)
             await err.response()(scope, receive, send)
             return
-        scope = {**with_content_length(scope, len(body)), IMAGES_SCOPE_KEY: images}
+        scope = {**with_content_length(scope, len(body)), IMAGES_SCOPE_KEY: images,
+                 PROMPT_TOKENS_SCOPE_KEY: tokens}
         await self.app(scope, replay(body, receive), echo_request_id(send, request_id))
 
     async def process(self, raw: bytes, protocol: str = CHAT,
-                      header_id: str | None = None) -> tuple[bytes, int, str]:
-        """The cleaned request body, its number of images and its request id
-        (:meth:`parse`).
+                      header_id: str | None = None) -> tuple[bytes, int, str, int]:
+        """The cleaned request body, its number of images, its request id (:meth:`parse`)
+        and its prompt tokens as admission estimates them (:meth:`serialize`).
 
         A body of at most :data:`INLINE_MAX_BYTES` without images whose prompt provably fits
         (:meth:`PromptBudget.check`'s bound) is handled on the event loop: microseconds,
@@ -112,7 +120,7 @@ class IntakeMiddleware:
             request = self.parse(raw, protocol, header_id)
             if not request.images and (self.budget is None or request.messages is None
                                        or self.budget.fits(request)):
-                return self.serialize(request)
+                return self.serialize(request, ())
         else:
             done = await asyncio.to_thread(self.parse_and_finish, raw, protocol, header_id)
             if not isinstance(done, GenerationRequest):
@@ -123,7 +131,7 @@ class IntakeMiddleware:
         return await asyncio.to_thread(self.finish, request, {})
 
     def parse_and_finish(self, raw: bytes, protocol: str = CHAT, header_id: str | None = None
-                         ) -> tuple[bytes, int, str] | GenerationRequest:
+                         ) -> tuple[bytes, int, str, int] | GenerationRequest:
         """:meth:`parse` then :meth:`finish` in the calling (worker) thread, unless an image URL
         must be fetched first: then the parsed request is returned for :meth:`fetch_and_finish`.
         """
@@ -132,7 +140,8 @@ class IntakeMiddleware:
             return request
         return self.finish(request, {})
 
-    async def fetch_and_finish(self, request: GenerationRequest) -> tuple[bytes, int, str]:
+    async def fetch_and_finish(self, request: GenerationRequest
+                               ) -> tuple[bytes, int, str, int]:
         """Fetch the request's image URLs (SSRF rules in ``serve.intake.urls``), then finish in a
         worker thread."""
         fetched = {}
@@ -182,7 +191,7 @@ class IntakeMiddleware:
         return request
 
     def finish(self, request: GenerationRequest,
-               fetched: dict[int, bytes]) -> tuple[bytes, int, str]:
+               fetched: dict[int, bytes]) -> tuple[bytes, int, str, int]:
         """Prepare every image (cached), check the prompt length, serialise (blocking).
 
         Args:
@@ -208,12 +217,15 @@ class IntakeMiddleware:
             sizes.append((image.width, image.height))
         if self.budget is not None and request.messages is not None:
             self.budget.check(request, sizes)
-        return self.serialize(request)
+        return self.serialize(request, sizes)
 
-    @staticmethod
-    def serialize(request: GenerationRequest) -> tuple[bytes, int, str]:
-        """The body forwarded to vLLM, its number of images and its request id."""
-        return json.dumps(request.body).encode(), len(request.images), request.request_id
+    def serialize(self, request: GenerationRequest, sizes) -> tuple[bytes, int, str, int]:
+        """The body forwarded to vLLM, its number of images, its request id and its prompt
+        tokens as estimated for admission (:meth:`PromptBudget.estimate`, for the pixel
+        ``sizes`` of its prepared images; 0 without a budget: unknown)."""
+        tokens = 0 if self.budget is None else self.budget.estimate(request, sizes)
+        return (json.dumps(request.body).encode(), len(request.images), request.request_id,
+                tokens)
 
 
 def unique_request_id_header(scope: Scope) -> tuple[Scope, str | None]:

@@ -182,3 +182,99 @@ async def test_autotuner_raises_limit_and_admission_follows(server):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_the_intake_estimates_prompts_as_vllm_counts_them(server):
+    """The prompt estimate a burst's budget counts: image tokens as vLLM counts them, text
+    close to it (usage.prompt_tokens of the real engine)."""
+    import base64
+    import io
+    import random
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from bench.cpu_engine import prompt_text
+    from serve.intake.budget import PromptBudget
+    from serve.intake.request import RequestLimits, parse_chat_request
+    from tests.helpers import ensure_tiny_model
+
+    crops = httpx.get(f"{server.base_url}/admin/autotuner", timeout=10).json()[
+        "kv_capacity"]["num_crops"]  # the server's num_crops, as vLLM counts with it
+    budget = PromptBudget(AutoTokenizer.from_pretrained(ensure_tiny_model()), 8192, crops)
+    buf = io.BytesIO()
+    Image.new("RGB", (1000, 700), (90, 140, 200)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    rng = random.Random(5)
+    for images in (0, 1):
+        text = prompt_text(rng, 400)
+        content = [{"type": "image_url", "image_url": {"url": url}}] * images + [
+            {"type": "text", "text": text}]
+        payload = {"model": server.model, "max_tokens": 1,
+                   "messages": [{"role": "user", "content": content}]}
+        usage = httpx.post(f"{server.base_url}/v1/chat/completions", json=payload,
+                           timeout=120).json()["usage"]
+        request = parse_chat_request(payload, RequestLimits(max_images=4))
+        estimate = budget.estimate(request, [(1000, 700)] * images)
+        text_only = budget.count(request, [(1000, 700)] * images).text
+        assert abs(estimate - usage["prompt_tokens"]) <= 0.15 * text_only + 8, (estimate, usage)
+
+
+async def test_a_burst_at_an_idle_server_is_admitted_by_its_prefill_budget():
+    """Mode auto, no pinned limit: a burst of long prompts (3,500 tokens) measures the prefill
+    rate, sets the burst budget (rate x TTFT target) and, through the TTFT fit (rate x target
+    / mean prompt), an idle limit of a few requests; the next burst, of short prompts, goes in
+    past that limit, as many as the budget fits (up to the ceiling), not the count the long
+    prompts taught."""
+    import random
+
+    from bench.cpu_engine import prompt_text
+
+    rng = random.Random(0)
+
+    def payload(tokens: int, answer: int) -> dict:
+        return {"max_tokens": answer, "ignore_eos": True, "stream": True,
+                "messages": [{"role": "user", "content": prompt_text(rng, tokens)}]}
+
+    srv = start_server(["--max-num-seqs", "8", "--slo-ttft-s", "0.25",
+                        "--autotune-interval-s", "0.5", "--max-queue-wait-s", "60"],
+                       name="burst-budget-server")
+
+    def state() -> dict:
+        return httpx.get(f"{srv.base_url}/admin/autotuner", timeout=10).json()
+
+    async def burst(client, payloads) -> list[int]:
+        async def one(p):
+            async with client.stream("POST", f"{srv.base_url}/v1/chat/completions",
+                                     json={**p, "model": srv.model}) as r:
+                async for _ in r.aiter_bytes():
+                    pass
+            return r.status_code
+        return await asyncio.gather(*(one(p) for p in payloads))
+
+    try:
+        assert state()["burst_budget"] is None  # no rate before the first burst
+        async with httpx.AsyncClient(timeout=300) as client:
+            codes = await burst(client, [payload(3500, 2) for _ in range(8)])
+            assert codes == [200] * 8
+            await asyncio.sleep(2.0)  # idle again, ticks later
+            s = state()
+            budget, limit = s["burst_budget"], s["limit"]
+            assert budget == int(s["last_signals"]["prefill_tokens_per_s"] * 0.25), s
+            assert s["in_flight"] == 0 and limit < 8, s  # the TTFT fit of 3,500-token prompts
+            small = [payload(40, 64) for _ in range(8)]
+            assert 8 * 60 < budget, budget  # the budget fits all 8 short prompts
+            running = []
+
+            async def watch():
+                while True:
+                    running.append(await srv.ametric("phi3v_running_requests"))
+                    await asyncio.sleep(0.02)
+
+            watcher = asyncio.create_task(watch())
+            codes = await burst(client, small)
+            watcher.cancel()
+        assert codes == [200] * 8
+        assert max(running) > limit, (running, limit)
+    finally:
+        stop_server(srv)

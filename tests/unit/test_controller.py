@@ -281,6 +281,7 @@ def test_idle_limit_remembers_where_a_sustained_overload_settled():
     c.step(Signals(t=15, in_flight=16, engine_running=16, pending=3, arrivals=12, **fits))
     d = c.step(Signals(t=40, **fits))
     assert (d.reason, d.new_limit) == ("idle", 16)
+    assert c.burst_cap(Signals(t=40, **fits)) == 16  # a burst's budget is capped there too
     # The next busy period: a burst's drain cut with nothing arriving, then idle: no lesson,
     # the fits again.
     c.step(Signals(t=50, in_flight=16, pending=40, arrivals=56, **fits))
@@ -306,3 +307,27 @@ def test_ttft_over_target_with_the_engine_queue_in_use_is_not_an_overload():
     c = Controller(CFG, limit=64)
     d = c.step(busy(0, 64, ttft_p90_s=3.0))
     assert d.is_cut and d.reason == "slo_ttft"
+
+
+def test_burst_budget_is_the_ttft_fit_in_tokens():
+    """A burst may bring what the engine prefills within the TTFT target at its last
+    measured rate; nothing before a rate is known or where no capacity was set."""
+    c = Controller(CFG, limit=8)
+    assert c.burst_budget(10_000.0) is None  # no capacity: a pinned limit, count only
+    c.set_capacity(48_000)
+    assert c.burst_budget(None) is None
+    assert c.burst_budget(12_345.6) == int(12_345.6 * CFG.ttft_target_s)
+    c.adopt(1000)
+    assert c.limit == CFG.ceiling  # adopted within the bounds
+
+
+def test_burst_cap_is_the_idle_limit_without_its_ttft_fit():
+    """The budget replaces the TTFT fit; the KV fit (and the overload limit:
+    test_idle_limit_remembers_where_a_sustained_overload_settled) still caps a burst."""
+    c = Controller(CFG, limit=8)
+    c.set_capacity(64_000)
+    assert c.burst_cap(None) == c.start
+    s = Signals(t=0, mean_request_tokens=2000, mean_prompt_tokens=1000,
+                prefill_tokens_per_s=5000)
+    assert c.idle_limit(s) == 5  # 5,000 tokens/s x 1 s / 1,000 tokens
+    assert c.burst_cap(s) == int(64_000 * CFG.kv_high_ratio / 2000)  # the KV fit only

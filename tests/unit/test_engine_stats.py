@@ -145,3 +145,38 @@ def test_a_cut_starts_the_latency_windows_afresh():
     assert feed.tpot.percentile(90) == 0.01
     for slot in slots:
         slot.release()
+
+
+def test_the_loop_gives_a_burst_the_prefill_budget_its_rate_fits():
+    """In mode auto the rate a burst measures becomes the limiter's burst budget at once
+    (rate x TTFT target); a pinned limit (no capacity set) and mode static get none. A limit
+    the limiter lowered (a held-back burst) is where the controller goes on."""
+    import dataclasses
+
+    from serve.admission.controller import Controller, ControllerConfig
+    from serve.admission.limiter import AdmissionLimiter
+    from serve.admission.loop import AutotuneLoop
+    from serve.settings import Settings
+
+    cfg = dataclasses.replace(ControllerConfig.from_settings(Settings(device="cuda")),
+                              ceiling=32, ttft_target_s=2.0)
+    for mode, capacity, expected in (("auto", 100_000, 16_000), ("auto", None, None),
+                                     ("static", 100_000, None)):
+        clock = Clock()
+        limiter = AdmissionLimiter(8, max_queue=100, max_queue_wait_s=60, clock=clock,
+                                   ceiling=32)
+        feed = EngineStatsFeed(clock=clock)
+        controller = Controller(cfg, 8)
+        controller.set_capacity(capacity)
+        loop = AutotuneLoop(controller, limiter, feed, mode=mode, interval_s=1.0, clock=clock)
+        feed.record(Sched(0, 0), None)  # idle
+        clock.t += 0.5
+        feed.record(Sched(8, 4), Iter(4000, [0.5] * 4))  # 8,000 prompt tokens/s
+        assert limiter.slots.burst_budget == expected, mode
+        # ... and a cap: the idle limit without its TTFT fit (the start before any tick).
+        assert limiter.slots.burst_cap == (8 if expected else None), mode
+    # A limit the limiter lowered after a held-back burst is where the controller goes on.
+    loop.mode = "auto"
+    limiter.set_limit(3)
+    loop.tick()
+    assert loop.controller.decisions[-1].old_limit == 3

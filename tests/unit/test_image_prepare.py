@@ -161,8 +161,8 @@ async def test_history_image_is_prepared_once_off_the_event_loop():
                               UrlPolicy(enabled=False), cache=ImageCache(64 * 2**20),
                               default_num_crops=1)
     intake.threads = []
-    first, n1, _ = await intake.process(_body(url, 1))
-    third, n3, _ = await intake.process(_body(url, 3))
+    first, n1, _, _ = await intake.process(_body(url, 1))
+    third, n3, _, _ = await intake.process(_body(url, 3))
     assert (n1, n3) == (1, 3)
     assert intake.cache.misses == 1 and intake.cache.hits == 3
     sent = {p["image_url"]["url"] for m in json.loads(third)["messages"]
@@ -204,3 +204,81 @@ def test_prompt_bound_never_undercounts(tmp_path):
         exact = budget.count(request, sizes)
         assert exact.text <= budget.text_token_bound(request)
         assert budget.fits(request, sizes) == (budget.check(request, sizes) is None)
+
+
+def test_prompt_estimate_for_admission_is_close_to_the_exact_count():
+    """The intake's estimate of a prompt's tokens (a burst's prefill budget counts them):
+    image tokens exact, English text within 15 % of the tokenizer's count, a raw
+    completions prompt from its ids or text."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from bench.cpu_engine import prompt_text
+    from serve.intake.budget import PromptBudget, image_tokens
+    from serve.intake.request import parse_chat_request, parse_completion_request
+    from tests.helpers import ensure_tiny_model
+
+    budget = PromptBudget(AutoTokenizer.from_pretrained(ensure_tiny_model()), 8192, 16)
+    rng = random.Random(1)
+    for n in (40, 200, 1500):
+        text = prompt_text(rng, n)
+        for images in (0, 2):
+            content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,A"}}
+                       ] * images + [{"type": "text", "text": text}]
+            request = parse_chat_request({"messages": [{"role": "user", "content": content}]},
+                                         RequestLimits(max_images=8))
+            sizes = [(1344, 1008), (500, 4000)][:images]
+            exact = budget.count(request, sizes)
+            estimate = budget.estimate(request, sizes)
+            assert exact.image == sum(image_tokens(w, h, 16) for w, h in sizes)
+            assert abs(estimate - exact.image - exact.text) <= 0.15 * exact.text + 8
+    limits = RequestLimits(max_images=4)
+    ids = parse_completion_request({"prompt": [1, 2, 3, 4, 5]}, limits)
+    assert budget.estimate(ids) == 5
+    text = parse_completion_request({"prompt": prompt_text(rng, 500)}, limits)
+    exact = len(budget.tokenizer.encode(text.body["prompt"], add_special_tokens=False))
+    assert abs(budget.estimate(text) - exact) <= 0.15 * exact
+    assert budget.estimate(parse_completion_request({"prompt": [[1, 2], [3]]}, limits)) == 0
+
+
+def _receiving(body: bytes):
+    """An ASGI ``receive`` that sends ``body`` once, then a disconnect."""
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+    return receive
+
+
+async def _ignore(message) -> None:
+    """An ASGI ``send`` that drops what it is sent."""
+
+
+async def test_the_intake_hands_its_estimate_to_admission():
+    from transformers import AutoTokenizer
+
+    from serve.asgi import PROMPT_TOKENS_SCOPE_KEY
+    from serve.intake.budget import PromptBudget
+    from serve.intake.request import parse_chat_request
+    from tests.helpers import ensure_tiny_model
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope.get(PROMPT_TOKENS_SCOPE_KEY))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    budget = PromptBudget(AutoTokenizer.from_pretrained(ensure_tiny_model()), 8192, 1)
+    intake = IntakeMiddleware(app, RequestLimits(max_images=4), POLICY,
+                              UrlPolicy(enabled=False), budget, ImageCache(0),
+                              default_num_crops=1)
+    url = "data:image/jpeg;base64," + base64.b64encode(photo((800, 600))).decode()
+    for body in (_body(url, 1), json.dumps({"model": "m", "messages": [
+            {"role": "user", "content": "hello there"}]}).encode()):
+        await intake({"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                      "headers": []}, _receiving(body), _ignore)
+    request = parse_chat_request(json.loads(_body(url, 1)), RequestLimits(max_images=4))
+    assert seen[0] == budget.estimate(request, [(800, 600)]) > budget.estimate(request)
+    assert 0 < seen[1] < 30

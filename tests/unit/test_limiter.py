@@ -267,3 +267,92 @@ async def test_expected_wait_counts_a_draining_limit():
     assert lim.expected_wait_s(0) == pytest.approx((2 + 1) / 1.0, rel=0.01)
     for s in slots:
         s.release()
+
+
+async def test_a_burst_goes_past_the_limit_while_its_prompts_fit_the_budget():
+    """Requests reaching an idle limiter while a burst budget is set go in past the limit,
+    in arrival order, while the burst's prompt tokens fit the budget; the rest waits for the
+    limit; after the window, by count only."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=2, max_queue=100, max_queue_wait_s=60, clock=clock,
+                           ceiling=8, burst_window_s=2.0)
+    lim.set_burst_budget(1000)
+    slots = [await asyncio.wait_for(lim.acquire(tokens=300), 1) for _ in range(3)]
+    assert lim.in_flight == 3 > lim.limit and lim.slots.burst_admitted == (900, 3)
+    fourth = asyncio.create_task(lim.acquire(tokens=300))  # 1,200 > 1,000: waits
+    fifth = asyncio.create_task(lim.acquire(tokens=50))  # FIFO: behind it
+    await asyncio.sleep(0)
+    assert lim.pending == 2
+    lim.set_burst_budget(1200)  # the rate measured on the burst itself is higher
+    await asyncio.wait_for(fourth, 1)
+    assert not fifth.done() and lim.in_flight == 4
+    clock.t += 2.5  # the window ends: by count again (4 in flight, limit 2)
+    assert lim.slots.burst_admitted is None and not lim.slots.admits(50)
+    for s in [*slots, fourth.result()][:3]:
+        s.release()
+    last = await asyncio.wait_for(fifth, 1)  # 1 in flight < 2
+    fourth.result().release()
+    last.release()
+    assert lim.in_flight == 0
+
+
+async def test_a_raise_during_a_held_back_burst_admits_nothing_late():
+    """Once the budget held a request back, the rest of the burst is late: a raise of the
+    limit in the window admits none of it, and when the window ends the limit is what the
+    burst admitted."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=2, max_queue=100, max_queue_wait_s=60, clock=clock,
+                           ceiling=8, burst_window_s=2.0)
+    lim.set_burst_budget(600)
+    a, b = await lim.acquire(tokens=300), await lim.acquire(tokens=300)
+    late = asyncio.create_task(lim.acquire(tokens=300))  # 900 > 600: held back
+    await asyncio.sleep(0)
+    lim.set_limit(5)  # the autotuner's demand probe
+    await asyncio.sleep(0)
+    assert not late.done() and lim.in_flight == 2
+    clock.t += 2.5
+    assert lim.slots.burst_admitted is None and lim.limit == 2
+    a.release()  # by count again
+    slot = await asyncio.wait_for(late, 1)
+    for s in (b, slot):
+        s.release()
+
+
+async def test_the_budget_never_holds_back_what_the_limit_admits():
+    """An idle engine takes a burst up to its limit at once, whatever its prompts."""
+    lim = AdmissionLimiter(limit=4, max_queue=100, max_queue_wait_s=60, ceiling=8)
+    lim.set_burst_budget(100)
+    slots = [await asyncio.wait_for(lim.acquire(tokens=5000), 1) for _ in range(4)]
+    assert lim.in_flight == 4 and not lim.slots.admits(1)  # the limit, and the budget spent
+    for s in slots:
+        s.release()
+
+
+async def test_a_burst_goes_past_the_limit_only_up_to_its_cap():
+    """Past the limit up to the cap the controller gives (the KV fit, what the engine held
+    under the inter-token target), the ceiling at most."""
+    lim = AdmissionLimiter(limit=2, max_queue=100, max_queue_wait_s=60, ceiling=8)
+    lim.set_burst_budget(10_000, cap=3)
+    slots = [await asyncio.wait_for(lim.acquire(tokens=100), 1) for _ in range(3)]
+    assert not lim.slots.admits(100)  # the cap, not the budget
+    for s in slots:
+        s.release()
+    lim.set_burst_budget(10_000)  # no cap: the ceiling
+    slots = [await asyncio.wait_for(lim.acquire(tokens=100), 1) for _ in range(8)]
+    assert lim.in_flight == 8 and not lim.slots.admits(100)
+    for s in slots:
+        s.release()
+
+
+async def test_without_a_budget_or_a_size_admission_is_by_count():
+    lim = AdmissionLimiter(limit=2, max_queue=100, max_queue_wait_s=60, ceiling=8)
+    held = [await lim.acquire(tokens=100) for _ in range(2)]
+    assert not lim.slots.admits(100)  # no budget: the limit binds
+    for s in held:
+        s.release()
+    lim.set_burst_budget(10_000)
+    held = [await lim.acquire(tokens=0), await lim.acquire(tokens=0)]
+    assert not lim.slots.admits(0)  # size unknown: by count, even in a burst
+    assert lim.slots.admits(100)  # a known size fits the burst's budget
+    for s in held:
+        s.release()

@@ -53,8 +53,14 @@ class CheckedSimulation(Simulation):
     peak_in_flight = 0
 
     def _admit(self, result, slot):
-        # admitted only into a free slot: the limit, plus the engine queue at the ceiling
-        assert self.gate.in_flight <= self.gate.slots.capacity
+        # admitted only into a free slot (the limit, plus the engine queue at the ceiling), or
+        # past it within a burst's prefill budget, up to its cap and the ceiling
+        slots = self.gate.slots
+        burst = slots.burst_admitted
+        assert self.gate.in_flight <= slots.capacity or (
+            burst is not None and slots.burst_budget is not None
+            and self.gate.in_flight <= min(slots.ceiling, slots.burst_cap or slots.ceiling)
+            and burst[0] <= slots.burst_budget)
         self.peak_in_flight = max(self.peak_in_flight, self.gate.in_flight)
         super()._admit(result, slot)
 
