@@ -344,10 +344,12 @@ class SimGate:
     """The simulator's admission gate: a synchronous FIFO queue over the server's
     :class:`~serve.admission.limiter.SlotCounter`, used through its public interface only.
 
-    Slot counting, the completion-rate window and the expected-wait estimate are the real
-    counter's; only the queue (asyncio futures in :class:`AdmissionLimiter`, a deque here)
-    differs. The autotuner sees the limiter's interface: ``snapshot()``, ``limit``,
-    ``set_limit()``, ``in_flight``, ``pending``.
+    Slot counting, a burst's prefill budget (on each request's prompt tokens: the trace's
+    exact count, where the server has its intake's estimate), the completion-rate window and
+    the expected-wait estimate are the real counter's; only the queue (asyncio futures in
+    :class:`AdmissionLimiter`, a deque here) differs. The autotuner sees the limiter's
+    interface: ``snapshot()``, ``limit``, ``set_limit()``, ``set_burst_budget()``,
+    ``in_flight``, ``pending``.
 
     Args:
         limit, max_queue, max_queue_wait_s, clock: as :class:`AdmissionLimiter`.
