@@ -221,7 +221,7 @@ def test_the_intake_estimates_prompts_as_vllm_counts_them(server):
 
 
 async def test_a_burst_at_an_idle_server_is_admitted_by_its_prefill_budget():
-    """Mode auto, no pinned limit: a burst of long prompts (3,500 tokens) measures the prefill
+    """Mode auto, no pinned limit: a burst of long prompts (4,000 tokens) measures the prefill
     rate, sets the burst budget (rate x TTFT target) and, through the TTFT fit (rate x target
     / mean prompt), an idle limit of a few requests; the next burst, of short prompts, goes in
     past that limit, as many as the budget fits (up to the ceiling), not the count the long
@@ -254,14 +254,18 @@ async def test_a_burst_at_an_idle_server_is_admitted_by_its_prefill_budget():
 
     try:
         assert state()["burst_budget"] is None  # no rate before the first burst
+        await asyncio.sleep(1.5)  # the autotuner has seen the server idle: burst A is a burst
         async with httpx.AsyncClient(timeout=300) as client:
-            codes = await burst(client, [payload(3500, 2) for _ in range(8)])
+            codes = await burst(client, [payload(4000, 2) for _ in range(8)])
             assert codes == [200] * 8
-            await asyncio.sleep(2.0)  # idle again, ticks later
+            deadline = time.monotonic() + 30
+            while state()["decisions"][-1]["reason"] != "idle":  # the burst's grace is over
+                assert time.monotonic() < deadline, state()["decisions"][-3:]
+                await asyncio.sleep(0.25)
             s = state()
             budget, limit = s["burst_budget"], s["limit"]
             assert budget == int(s["last_signals"]["prefill_tokens_per_s"] * 0.25), s
-            assert s["in_flight"] == 0 and limit < 8, s  # the TTFT fit of 3,500-token prompts
+            assert s["in_flight"] == 0 and limit < 8, s  # the TTFT fit of 4,000-token prompts
             small = [payload(40, 64) for _ in range(8)]
             assert 8 * 60 < budget, budget  # the budget fits all 8 short prompts
             running = []
