@@ -82,6 +82,21 @@ class Slot:
         return True
 
 
+@dataclass
+class _Burst:
+    """Requests that reached an idle counter together (:meth:`SlotCounter.admits`)."""
+
+    #: Clock time the first of them was admitted, seconds.
+    opened_s: float
+    #: The limit when it opened.
+    limit: int
+    #: Prompt tokens and requests of known size admitted so far.
+    tokens: int = 0
+    requests: int = 0
+    #: The budget held a request back (the rest of the burst is late).
+    held: bool = False
+
+
 @dataclass(frozen=True)
 class LimiterSnapshot:
     """What the autotuner reads from the limiter each tick."""
@@ -141,9 +156,8 @@ class SlotCounter:
         #: Most requests in flight a burst may reach past the limit by its budget (None: the
         #: ceiling).
         self.burst_cap: int | None = None
-        #: The open burst: [opened at, prompt tokens admitted, requests admitted, the limit
-        #: it arrived at, whether the budget held a request back], or None.
-        self._burst: list | None = None
+        #: The open burst (None: none).
+        self._burst: _Burst | None = None
         self.ceiling = ceiling
         self.engine_queue = engine_queue
         self.engine_queue_wait_s = engine_queue_wait_s
@@ -225,15 +239,15 @@ class SlotCounter:
         burst = self._open_burst()
         if burst is None or tokens <= 0 or self.burst_budget is None:
             return self.has_room()
-        if self.has_room() and (not burst[4] or self._in_flight < burst[3]):
+        if self.has_room() and (not burst.held or self._in_flight < burst.limit):
             return True  # by count (once the budget held one back: the limit it arrived at)
         most = self.ceiling or self._limit
         if self.burst_cap is not None:
             most = min(most, self.burst_cap)
         if self._in_flight >= most:
             return False
-        if burst[1] + tokens > self.burst_budget:
-            burst[4] = True  # the budget held one back: the rest of the burst is late
+        if burst.tokens + tokens > self.burst_budget:
+            burst.held = True  # the rest of the burst is late
             return False
         return True
 
@@ -241,16 +255,16 @@ class SlotCounter:
     def burst_admitted(self) -> tuple[int, int] | None:
         """The open burst's prompt tokens and requests admitted so far (None: none open)."""
         burst = self._open_burst()
-        return None if burst is None else (burst[1], burst[2])
+        return None if burst is None else (burst.tokens, burst.requests)
 
-    def _open_burst(self) -> list | None:
+    def _open_burst(self) -> "_Burst | None":
         """The open burst, after closing one whose window has ended (and, if its budget
         held a request back, lowering a limit raised meanwhile to what it admitted)."""
         burst = self._burst
-        if burst is not None and self.clock() - burst[0] > self.burst_window_s:
+        if burst is not None and self.clock() - burst.opened_s > self.burst_window_s:
             self._burst = None
-            if burst[4]:
-                self._limit = min(self._limit, max(burst[3], burst[2]))
+            if burst.held:
+                self._limit = min(self._limit, max(burst.limit, burst.requests))
             return None
         return burst
 
@@ -278,15 +292,16 @@ class SlotCounter:
     def take(self, arrived_at: float, tokens: int = 0) -> Slot:
         """Admit one request of ``tokens`` prompt tokens that arrived at ``arrived_at``
         (clock seconds); the caller checked :meth:`admits` (or the limit was lowered
-        meanwhile: the slot is counted anyway). A request reaching an idle counter while a
-        burst budget is set opens a burst."""
+        meanwhile: the slot is counted anyway). A request reaching an idle counter opens a
+        burst; its requests are counted even before a budget is known, for one measured on
+        the burst itself."""
         now = self.clock()
         if self._in_flight == 0:
-            self._burst = [now, 0, 0, self._limit, False]
+            self._burst = _Burst(now, self._limit)
         burst = self._open_burst()
         if burst is not None and tokens > 0:
-            burst[1] += tokens
-            burst[2] += 1
+            burst.tokens += tokens
+            burst.requests += 1
         self._count(+1)
         return Slot(self, now, now - arrived_at)
 
