@@ -247,8 +247,9 @@ class Controller:
         self.limit = self._clamp(limit)
 
     def burst_budget(self, prefill_tokens_per_s: float | None) -> int | None:
-        """Prompt tokens a burst reaching an idle engine may bring (the limiter admits it by
-        these, not by count: :meth:`serve.admission.limiter.SlotCounter.admits`), or None.
+        """Prompt tokens a burst reaching an idle engine may bring past the limit (the
+        limiter admits it by these where the limit would queue it:
+        :meth:`serve.admission.limiter.SlotCounter.admits`), or None.
 
         ``rate x ttft_target``: what the engine prefills within the TTFT target at the rate
         it showed on the last burst, image encoding included
