@@ -14,14 +14,17 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
   only when the limit is what binds (in-flight >= limit), requests are queued at the gateway,
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
   already saturated); never past the **KV fit** (running x ``kv_high_ratio`` / KV usage:
-  what the cache holds at the running requests' mean size; past it vLLM preempts).
+  what the cache holds at the running requests' mean size; past it vLLM preempts) nor the
+  **ITL fit** (:meth:`Controller.itl_fit`: the largest batch whose streams keep the
+  inter-token target, on the line the engine's steps drew of their latency against their
+  batch size).
 - **Restore** on idle (nothing in flight or queued, nothing arrived since the last sample):
   the limit becomes :meth:`Controller.idle_limit`: the boot figure (``start``, the KV-safe
   capacity), or once requests have finished what the recent traffic fits: the smaller of its
-  KV fit and its TTFT fit (prompts the engine prefills within the TTFT target at the rate
-  it showed on the last burst). Whatever made the limit lower or higher is in the past, and
-  an idle engine must take the next burst at once. A server refusing every arrival is empty,
-  not idle: it keeps its limit.
+  KV fit, its TTFT fit (prompts the engine prefills within the TTFT target at the rate
+  it showed on the last burst) and the ITL fit. Whatever made the limit lower or higher is
+  in the past, and an idle engine must take the next burst at once. A server refusing
+  every arrival is empty, not idle: it keeps its limit.
 - **Hold** otherwise (the band between ``headroom`` x target and target is the hysteresis
   that prevents oscillation under steady load), and also on a latency breach while the last
   decrease is still draining (in-flight > limit): those slow samples come from requests
@@ -65,8 +68,8 @@ from typing import Literal
 Direction = Literal["up", "down", "hold"]
 
 #: ``reason`` label values of ``phi3v_autotuner_decisions_total``.
-REASONS = ("demand", "kv_fit", "slo_ttft", "slo_itl", "preemption", "kv_cache", "cooldown",
-           "draining", "steady", "idle", "static", "bound", "burst")
+REASONS = ("demand", "kv_fit", "itl_fit", "slo_ttft", "slo_itl", "preemption", "kv_cache",
+           "cooldown", "draining", "steady", "idle", "static", "bound", "burst")
 
 
 #: Deepest single cut on a latency breach (fraction of the limit kept).
@@ -76,6 +79,12 @@ MIN_CUT_FACTOR = 0.5
 SOFT_REASONS = ("slo_ttft", "slo_itl", "kv_cache")
 #: Latency overload signals, which a burst reaching an idle engine raises by itself.
 LATENCY_REASONS = ("slo_ttft", "slo_itl")
+#: Fraction of the ITL target the steps' fitted *mean* inter-token latency may reach at the
+#: ITL fit (:meth:`Controller.itl_fit`). The goodput rule judges each request by its own mean
+#: (TPOT), and those spread around the steps' mean: their p90 was 1.37-1.47x their mean at
+#: every fixed limit (8, 16, 32 and plain vLLM) of the CPU suite's T6 (run 8), so a mean at
+#: 0.7x the target puts the p90 near it.
+ITL_FIT_RATIO = 0.7
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,9 @@ class Signals:
             (:class:`~serve.admission.engine_stats.EngineStatsFeed`), None before one.
         engine_queued: requests admitted past the ceiling, waiting inside vLLM for a batch
             slot (the limiter's engine queue; 0 below the ceiling).
+        itl_line: ``(intercept_s, slope_s)``: the engine steps' mean inter-token latency
+            against their batch size, ``intercept + slope x n`` seconds
+            (:class:`~serve.admission.engine_stats.BatchItlFit`), None before a fit.
     """
 
     t: float
@@ -182,6 +194,7 @@ class Signals:
     mean_prompt_tokens: float | None = None
     prefill_tokens_per_s: float | None = None
     engine_queued: int = 0
+    itl_line: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -302,6 +315,9 @@ class Controller:
             return limit  # no capacity given: the start is fixed (or pinned by the operator)
         if s.mean_request_tokens:
             limit = math.floor(self.kv_tokens * c.kv_high_ratio / s.mean_request_tokens)
+        itl_fit = self.itl_fit(s)
+        if itl_fit is not None:
+            limit = min(limit, itl_fit)
         if ttft_fit and s.prefill_tokens_per_s and s.mean_prompt_tokens:
             limit = min(limit, math.floor(s.prefill_tokens_per_s * c.ttft_target_s
                                           / s.mean_prompt_tokens))
@@ -354,6 +370,29 @@ class Controller:
         if not measured:
             return c.decrease_factor
         return max(MIN_CUT_FACTOR, min(c.decrease_factor, target / measured))
+
+    def itl_fit(self, s: Signals) -> int | None:
+        """The largest batch whose streams keep the inter-token target (requests), or None.
+
+        From the steps' line ``itl(n) = intercept + slope x n`` (:attr:`Signals.itl_line`):
+        the largest ``n`` with ``itl(n) <= ITL_FIT_RATIO x itl_target``
+        (:data:`ITL_FIT_RATIO`: requests are judged by their own mean, which spreads around
+        the steps'). None without a line, with a slope <= 0 (the batch does not slow the
+        streams: a memory-bound engine) and where even the intercept exceeds that bound
+        (the steps are slow whatever the batch, e.g. a prefill-heavy traffic: fewer
+        sequences would not help). At least ``min_seqs``.
+
+        On the CPU engine each running sequence adds ~2 ms to every step: the CPU suite's T6
+        (chat at 2x capacity) met the 50-ms target at a fixed 16 and missed it at 32, where
+        the idle limit from the KV and TTFT fits was 25.
+        """
+        if s.itl_line is None:
+            return None
+        intercept, slope = s.itl_line
+        room = ITL_FIT_RATIO * self.config.itl_target_s - intercept
+        if slope <= 0 or room <= 0:
+            return None
+        return max(self.config.min_seqs, math.floor(room / slope + 1e-9))  # 1e-9: rounding
 
     def kv_fit(self, s: Signals) -> int | None:
         """Sequences the KV cache holds below ``kv_high_ratio`` at the current mix, or None
@@ -420,12 +459,10 @@ class Controller:
         elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s):
             step = min(c.max_step, max(1, math.ceil(old * c.increase_ratio)))
             new = self._clamp(old + step)
-            fit = self.kv_fit(s)
-            if fit is not None and new > fit:
-                new = max(old, fit)
-                reason = "kv_fit"
-            else:
-                reason = "demand"
+            reason = "demand"
+            for fit_reason, fit in (("kv_fit", self.kv_fit(s)), ("itl_fit", self.itl_fit(s))):
+                if fit is not None and new > fit:
+                    new, reason = max(old, fit), fit_reason
             direction = "up" if new > old else "hold"
             if new == old and reason == "demand":
                 reason = "bound"

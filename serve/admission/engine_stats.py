@@ -3,7 +3,8 @@
 vLLM calls every stat logger's ``record(scheduler_stats, iteration_stats)`` after each engine
 step, in the API process (``vllm/v1/metrics/loggers.py``). :class:`EngineStatsFeed` keeps what
 the controller needs: the scheduler's running/waiting counts and KV-cache usage, preemptions,
-and TTFT/TPOT samples in a sliding window. No HTTP scrape, no parsing.
+and TTFT/TPOT samples in a sliding window, and the steps' inter-token latency against their
+batch size (:class:`BatchItlFit`). No HTTP scrape, no parsing.
 """
 
 from __future__ import annotations
@@ -77,6 +78,88 @@ class SlidingWindow:
         return percentile([v for _, batch in self._batches for v in batch], q)
 
 
+#: Seconds of engine steps the batch/ITL line is fitted over: several busy periods (the CPU
+#: suite's phases are 10-20 s), so that it sees more than one batch size, and short enough
+#: that a change of traffic (text to images) shows within a couple of minutes.
+BATCH_ITL_HORIZON_S = 120.0
+#: Width of the time slots steps are aggregated in, seconds (per slot, one sum per batch
+#: size: the fit reads a few hundred aggregates, never every step).
+BATCH_ITL_SLOT_S = 1.0
+#: Fewest inter-token samples (tokens) a fit needs.
+BATCH_ITL_MIN_TOKENS = 200
+#: Smallest weighted variance of the batch size (requests^2) a fit needs: batches that all
+#: had one size say nothing about the slope.
+BATCH_ITL_MIN_VARIANCE = 1.0
+
+
+class BatchItlFit:
+    """Mean inter-token latency of the engine's steps against their batch size: the least
+    squares line ``itl(n) = intercept + slope x n`` (seconds; ``n`` in requests) over the
+    last :data:`BATCH_ITL_HORIZON_S` seconds, each token's gap weighted once.
+
+    On a compute-bound engine (the CPU: decode cost grows with every sequence) the slope is
+    what a batch costs each stream; the intercept holds the fixed step cost and the prefill
+    chunks of the current traffic mixed into the steps. On a memory-bound GPU the slope is
+    small and the line allows large batches. The autotuner reads it as the largest batch
+    whose streams keep the inter-token target
+    (:meth:`serve.admission.controller.Controller.itl_fit`).
+
+    Args:
+        horizon_s: age in seconds after which steps are dropped.
+        slot_s: aggregation slot, seconds.
+        clock: monotonic clock, seconds.
+    """
+
+    def __init__(self, horizon_s: float = BATCH_ITL_HORIZON_S, slot_s: float = BATCH_ITL_SLOT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.horizon_s = horizon_s
+        self.slot_s = slot_s
+        self._clock = clock
+        #: (slot start, {batch size: [sum of gaps in seconds, gaps]}), oldest first.
+        self._slots: collections.deque[tuple[float, dict[int, list]]] = collections.deque()
+
+    def add(self, batch: int, itls) -> None:
+        """One engine step: ``batch`` requests ran, and ``itls`` are the gaps (seconds) of
+        those that produced a token after their first."""
+        if batch <= 0 or not itls:
+            return
+        now = self._clock()
+        if not self._slots or now - self._slots[-1][0] >= self.slot_s:
+            self._slots.append((now, {}))
+            while now - self._slots[0][0] > self.horizon_s:
+                self._slots.popleft()
+        agg = self._slots[-1][1].setdefault(batch, [0.0, 0])
+        agg[0] += sum(itls)
+        agg[1] += len(itls)
+
+    def clear(self) -> None:
+        self._slots.clear()
+
+    def line(self) -> tuple[float, float] | None:
+        """``(intercept_s, slope_s)`` of the weighted least-squares line, or None with fewer
+        than :data:`BATCH_ITL_MIN_TOKENS` gaps or batch sizes whose weighted variance is
+        under :data:`BATCH_ITL_MIN_VARIANCE`."""
+        now = self._clock()
+        w = sn = sy = snn = sny = 0.0
+        for start, batches in self._slots:
+            if now - start > self.horizon_s:
+                continue
+            for n, (total, count) in batches.items():
+                w += count
+                sn += count * n
+                sy += total
+                snn += count * n * n
+                sny += total * n
+        if w < BATCH_ITL_MIN_TOKENS:
+            return None
+        mean_n = sn / w
+        var_n = snn / w - mean_n * mean_n
+        if var_n < BATCH_ITL_MIN_VARIANCE:
+            return None
+        slope = (sny / w - mean_n * sy / w) / var_n
+        return sy / w - slope * mean_n, slope
+
+
 def stalled_s(now: float, last_step_s: float | None, busy_since_s: float | None) -> float:
     """Seconds the engine has held requests without running a step: since the later of its
     last step and the moment work arrived (0 when it holds none)."""
@@ -123,6 +206,8 @@ class EngineStatsFeed:
     request_tokens: collections.deque = field(init=False)
     #: Prompt tokens of the last finished requests.
     prompt_tokens: collections.deque = field(init=False)
+    #: Mean inter-token latency against the batch size (:class:`BatchItlFit`).
+    batch_itl: BatchItlFit = field(init=False)
     #: Called with the new rate each time a burst measures the prefill rate (the autotune
     #: loop sets the limiter's burst budget from it, within the burst that measured it).
     on_prefill_rate: Callable[[float], None] | None = None
@@ -138,6 +223,7 @@ class EngineStatsFeed:
         self.tpot = SlidingWindow(self.window_s, self.clock)
         self.request_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
         self.prompt_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
+        self.batch_itl = BatchItlFit(clock=self.clock)
 
     @property
     def mean_request_tokens(self) -> float | None:
@@ -207,6 +293,10 @@ class EngineStatsFeed:
             self.preemptions_total += iteration_stats.num_preempted_reqs
             self.ttft.extend(iteration_stats.time_to_first_tokens_iter)
             finished = iteration_stats.finished_requests
+            if scheduler_stats is not None:
+                # The step's batch: what runs after it, plus what it finished.
+                self.batch_itl.add(scheduler_stats.num_running_reqs + len(finished),
+                                   iteration_stats.inter_token_latencies_iter)
             if finished:
                 self.tpot.extend(done.mean_time_per_output_token for done in finished
                                  if done.num_generation_tokens > 1)

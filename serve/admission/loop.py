@@ -118,6 +118,7 @@ class AutotuneLoop:
             mean_request_tokens=self.feed.mean_request_tokens,
             mean_prompt_tokens=self.feed.mean_prompt_tokens,
             prefill_tokens_per_s=self.feed.prefill_tokens_per_s,
+            itl_line=self.feed.batch_itl.line(),
             gpu_utilization=self.gpu.read(),
         )
 
@@ -181,6 +182,7 @@ class AutotuneLoop:
             "capacity": self.limiter.capacity,
             "burst_budget": self.limiter.slots.burst_budget,
             "burst_cap": self.limiter.slots.burst_cap,
+            "itl_fit": None if s is None else self.controller.itl_fit(s),
             "engine_queue": self.limiter.engine_queue,
             "in_flight": self.limiter.in_flight,
             "pending": self.limiter.pending,

@@ -266,7 +266,9 @@ async def test_a_burst_at_an_idle_server_is_admitted_by_its_prefill_budget():
             budget, limit = s["burst_budget"], s["limit"]
             assert budget == int(s["last_signals"]["prefill_tokens_per_s"] * 0.25), s
             assert s["in_flight"] == 0 and limit < 8, s  # the TTFT fit of 4,000-token prompts
-            small = [payload(40, 64) for _ in range(8)]
+            # Answers of different lengths: the batch drains 8 -> 1, and the steps draw their
+            # inter-token latency against batch sizes 1-8.
+            small = [payload(40, 24 + 8 * i) for i in range(8)]
             assert 8 * 60 < budget, budget  # the budget fits all 8 short prompts
             running = []
 
@@ -280,5 +282,13 @@ async def test_a_burst_at_an_idle_server_is_admitted_by_its_prefill_budget():
             watcher.cancel()
         assert codes == [200] * 8
         assert max(running) > limit, (running, limit)
+        # The real engine's steps drew their inter-token latency against batch sizes 1-8:
+        # a few milliseconds a step on the tiny model, whatever the batch (below saturation the
+        # slope is ~0, and then nothing is bounded); the CPU's default 0.5-s target fits more.
+        await asyncio.sleep(1.0)  # a tick samples the line
+        s = state()
+        intercept, slope = s["last_signals"]["itl_line"]
+        assert all(0.0005 < intercept + n * slope < 0.2 for n in (1, 8)), s["last_signals"]
+        assert s["itl_fit"] is None or s["itl_fit"] >= 8, s
     finally:
         stop_server(srv)

@@ -180,3 +180,48 @@ def test_the_loop_gives_a_burst_the_prefill_budget_its_rate_fits():
     limiter.set_limit(3)
     loop.tick()
     assert loop.controller.decisions[-1].old_limit == 3
+
+
+def test_the_steps_draw_their_itl_against_their_batch_size():
+    """Each step's gaps, weighted once per token, against the batch that ran (what runs after
+    the step plus what it finished): steps of 8 and 16 requests at 20 and 36 ms draw the line
+    4 ms + 2 ms per request."""
+    from serve.admission.engine_stats import BATCH_ITL_HORIZON_S
+
+    clock = Clock()
+    feed = EngineStatsFeed(clock=clock)
+    assert feed.batch_itl.line() is None
+    for _ in range(20):
+        feed.record(Sched(8, 0), Iter(inter_token_latencies_iter=[0.020] * 8))
+        clock.t += 0.5
+        # 15 run on, one finished: a batch of 16.
+        feed.record(Sched(15, 0), Iter(inter_token_latencies_iter=[0.036] * 16,
+                                       finished_requests=[Done(100, 50, 0.03)]))
+        clock.t += 0.5
+    intercept, slope = feed.batch_itl.line()
+    assert abs(intercept - 0.004) < 1e-9 and abs(slope - 0.002) < 1e-9
+    # Steps older than the horizon leave it.
+    clock.t += BATCH_ITL_HORIZON_S + 1
+    assert feed.batch_itl.line() is None
+
+
+def test_the_batch_itl_line_needs_several_batch_sizes_and_enough_tokens():
+    from serve.admission.engine_stats import BATCH_ITL_MIN_TOKENS, BatchItlFit
+
+    clock = Clock()
+    fit = BatchItlFit(clock=clock)
+    for _ in range(BATCH_ITL_MIN_TOKENS):  # many tokens, one batch size: no slope to see
+        fit.add(12, [0.03])
+        clock.t += 0.1
+    assert fit.line() is None
+    fit.clear()
+    fit.add(4, [0.01] * 10)  # two sizes, too few tokens
+    fit.add(20, [0.05] * 10)
+    assert fit.line() is None
+    fit.add(0, [0.5])  # an empty batch or a step without gaps adds nothing
+    fit.add(8, [])
+    for _ in range(BATCH_ITL_MIN_TOKENS // 20):
+        fit.add(4, [0.01] * 10)
+        fit.add(20, [0.05] * 10)
+    intercept, slope = fit.line()
+    assert abs(slope - 0.0025) < 1e-9 and abs(intercept - 0.0) < 1e-9
