@@ -699,7 +699,7 @@ def cpu_suite_benchmark(out: Path, seed: int = 0, limits: tuple[int, ...] = CPU_
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu-suite.json").write_text(json.dumps({
         "seed": seed, "slo": asdict(slo), "capacity": asdict(capacity),
-        "runs": [{"label": rep.label, **info, "limits": rep.limits,
+        "runs": [{"label": rep.label, **info, "limits": rep.limits, "fits": rep.fits,
                   "requests": [_outcome(r) for r in rep.results]}
                  for rep, info in zip(replays, extra, strict=False)],
         "traces": [{"name": t.name, "auto": asdict(t.auto), "unlimited": asdict(t.unlimited),

@@ -152,6 +152,7 @@ class Replay:
         label: ``auto`` or ``L=<n>``.
         results: per-request outcomes, in trace order (trace clock, seconds).
         limits: ``(t, limit)`` polled from ``/admin/autotuner`` (trace clock).
+        fits: ``(t, itl_fit, burst_cap)`` polled with them (None where unknown).
         config: the server's controller config (``/admin/autotuner``): targets, ceiling...
         cut_off: requests still streaming at the drain deadline (cancelled, not good).
         end_s: trace-clock time the replay ended.
@@ -166,6 +167,7 @@ class Replay:
     cut_off: int
     end_s: float
     preemptions: int | None = None
+    fits: list[tuple[float, int | None, int | None]] = field(default_factory=list)
 
 
 def _preemptions(text: str) -> int | None:
@@ -205,13 +207,16 @@ async def replay_http(trace: Trace, base_url: str, bodies: list[bytes] | None = 
         label = {"auto": "auto", "unlimited": "unlimited"}.get(state["mode"],
                                                               f"L={state['limit']}")
         limits: list[tuple[float, int]] = []
+        fits: list[tuple[float, int | None, int | None]] = []
         start = time.monotonic()
 
         async def poll() -> None:
             while state["mode"] != "unlimited":
                 try:
-                    limit = (await client.get("/admin/autotuner")).json()["limit"]
-                    limits.append((time.monotonic() - start, limit))
+                    now = (await client.get("/admin/autotuner")).json()
+                    t = time.monotonic() - start
+                    limits.append((t, now["limit"]))
+                    fits.append((t, now.get("itl_fit"), now.get("burst_cap")))
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(poll_s)
@@ -233,7 +238,7 @@ async def replay_http(trace: Trace, base_url: str, bodies: list[bytes] | None = 
             preempt1 = None
     preempted = None if preempt0 is None or preempt1 is None else preempt1 - preempt0
     return Replay(state["mode"], label, results, limits, state["config"], len(pending), end_s,
-                  preempted)
+                  preempted, fits)
 
 
 # --- CPU accounting -------------------------------------------------------------------------

@@ -235,6 +235,7 @@ class FinishedRequestStats:
     num_generation_tokens: int
     num_preemptions: int
     mean_time_per_output_token: float
+    decode_time: float
 
 
 @dataclass(frozen=True)
@@ -629,7 +630,8 @@ class Simulation:
         seq.slot.release(completed=True)
         done.append(FinishedRequestStats(
             self.now - result.admitted_s, seq.prompt, seq.generated, result.preemptions,
-            (self.now - result.first_token_s) / max(1, seq.generated - 1)))
+            (self.now - result.first_token_s) / max(1, seq.generated - 1),
+            self.now - result.first_token_s))
 
     # --- event loop -----------------------------------------------------------------------
     def _events_until(self, t: float) -> None:

@@ -15,9 +15,9 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
   already saturated); never past the **KV fit** (running x ``kv_high_ratio`` / KV usage:
   what the cache holds at the running requests' mean size; past it vLLM preempts) nor the
-  **ITL fit** (:meth:`Controller.itl_fit`: the largest batch whose streams keep the
-  inter-token target, on the line the engine's steps drew of their latency against their
-  batch size).
+  **ITL fit** (:meth:`Controller.itl_fit`: the largest batch where nine requests in ten keep
+  the inter-token target, on the line the finished requests drew of their TPOT against the
+  batch they decoded in).
 - **Restore** on idle (nothing in flight or queued, nothing arrived since the last sample):
   the limit becomes :meth:`Controller.idle_limit`: the boot figure (``start``, the KV-safe
   capacity), or once requests have finished what the recent traffic fits: the smaller of its
@@ -65,6 +65,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from serve.admission.engine_stats import ItlLine
+
 Direction = Literal["up", "down", "hold"]
 
 #: ``reason`` label values of ``phi3v_autotuner_decisions_total``.
@@ -79,12 +81,6 @@ MIN_CUT_FACTOR = 0.5
 SOFT_REASONS = ("slo_ttft", "slo_itl", "kv_cache")
 #: Latency overload signals, which a burst reaching an idle engine raises by itself.
 LATENCY_REASONS = ("slo_ttft", "slo_itl")
-#: Fraction of the ITL target the steps' fitted *mean* inter-token latency may reach at the
-#: ITL fit (:meth:`Controller.itl_fit`). The goodput rule judges each request by its own mean
-#: (TPOT), and those spread around the steps' mean: their p90 was 1.37-1.47x their mean at
-#: every fixed limit (8, 16, 32 and plain vLLM) of the CPU suite's T6 (run 8), so a mean at
-#: 0.7x the target puts the p90 near it.
-ITL_FIT_RATIO = 0.7
 
 
 @dataclass(frozen=True)
@@ -174,9 +170,9 @@ class Signals:
             (:class:`~serve.admission.engine_stats.EngineStatsFeed`), None before one.
         engine_queued: requests admitted past the ceiling, waiting inside vLLM for a batch
             slot (the limiter's engine queue; 0 below the ceiling).
-        itl_line: ``(intercept_s, slope_s)``: the engine steps' mean inter-token latency
-            against their batch size, ``intercept + slope x n`` seconds
-            (:class:`~serve.admission.engine_stats.BatchItlFit`), None before a fit.
+        itl_line: the finished requests' TPOT against the mean batch they decoded in,
+            ``intercept_s + slope_s x n`` seconds, and the spread of the slower ones above it
+            (:class:`~serve.admission.engine_stats.ItlLine`), None before a fit.
     """
 
     t: float
@@ -194,7 +190,7 @@ class Signals:
     mean_prompt_tokens: float | None = None
     prefill_tokens_per_s: float | None = None
     engine_queued: int = 0
-    itl_line: tuple[float, float] | None = None
+    itl_line: ItlLine | None = None
 
 
 @dataclass(frozen=True)
@@ -372,27 +368,29 @@ class Controller:
         return max(MIN_CUT_FACTOR, min(c.decrease_factor, target / measured))
 
     def itl_fit(self, s: Signals) -> int | None:
-        """The largest batch whose streams keep the inter-token target (requests), or None.
+        """The largest batch whose requests keep the inter-token target (requests), or None.
 
-        From the steps' line ``itl(n) = intercept + slope x n`` (:attr:`Signals.itl_line`):
-        the largest ``n`` with ``itl(n) <= ITL_FIT_RATIO x itl_target``
-        (:data:`ITL_FIT_RATIO`: requests are judged by their own mean, which spreads around
-        the steps'). None without a line, with a slope <= 0 (the batch does not slow the
-        streams: a memory-bound engine) and where even the intercept exceeds that bound
-        (the steps are slow whatever the batch, e.g. a prefill-heavy traffic: fewer
-        sequences would not help). At least ``min_seqs``.
+        From the finished requests' line ``tpot(n) = intercept + slope x n`` and their spread
+        above it (:attr:`Signals.itl_line`): the largest ``n`` with ``tpot(n) x p90_ratio <=
+        itl_target``, where nine requests in ten keep the target (the controller cuts when
+        the p90 of the requests' TPOT is over it: :meth:`overload_reason`). None without a
+        line, with a slope <= 0 (the batch does not slow the streams: a memory-bound engine)
+        and where even the intercept misses the target (the requests are slow whatever the
+        batch: fewer would not help). At least ``min_seqs``.
 
-        On the CPU engine each running sequence adds ~2 ms to every step: the CPU suite's T6
-        (chat at 2x capacity) met the 50-ms target at a fixed 16 and missed it at 32, where
-        the idle limit from the KV and TTFT fits was 25.
+        On the CPU engine at saturation the token throughput is fixed, so each stream's TPOT
+        grows with the batch: the CPU suite's T6 (chat at 2x capacity) kept the 50-ms target
+        at a fixed 8-16 and missed it at 32 (p90 over mean 1.4-1.5 at each), where the idle
+        limit from the KV and TTFT fits was 25.
         """
-        if s.itl_line is None:
+        line = s.itl_line
+        if line is None:
             return None
-        intercept, slope = s.itl_line
-        room = ITL_FIT_RATIO * self.config.itl_target_s - intercept
-        if slope <= 0 or room <= 0:
+        room = self.config.itl_target_s / line.p90_ratio - line.intercept_s
+        if line.slope_s <= 0 or room <= 0:
             return None
-        return max(self.config.min_seqs, math.floor(room / slope + 1e-9))  # 1e-9: rounding
+        # 1e-9: a batch exactly at the bound is not lost to rounding.
+        return max(self.config.min_seqs, math.floor(room / line.slope_s + 1e-9))
 
     def kv_fit(self, s: Signals) -> int | None:
         """Sequences the KV cache holds below ``kv_high_ratio`` at the current mix, or None

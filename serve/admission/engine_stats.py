@@ -3,17 +3,19 @@
 vLLM calls every stat logger's ``record(scheduler_stats, iteration_stats)`` after each engine
 step, in the API process (``vllm/v1/metrics/loggers.py``). :class:`EngineStatsFeed` keeps what
 the controller needs: the scheduler's running/waiting counts and KV-cache usage, preemptions,
-and TTFT/TPOT samples in a sliding window, and the steps' inter-token latency against their
-batch size (:class:`BatchItlFit`). No HTTP scrape, no parsing.
+and TTFT/TPOT samples in a sliding window, and the finished requests' TPOT against the batch
+they decoded in (:class:`BatchTpotFit`). No HTTP scrape, no parsing.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -78,86 +80,130 @@ class SlidingWindow:
         return percentile([v for _, batch in self._batches for v in batch], q)
 
 
-#: Seconds of engine steps the batch/ITL line is fitted over: several busy periods (the CPU
-#: suite's phases are 10-20 s), so that it sees more than one batch size, and short enough
+#: Seconds of finished requests the batch/TPOT line is fitted over: several busy periods (the
+#: CPU suite's phases are 10-20 s), so that it sees more than one batch size, and short enough
 #: that a change of traffic (text to images) shows within a couple of minutes.
-BATCH_ITL_HORIZON_S = 120.0
-#: Width of the time slots steps are aggregated in, seconds (per slot, one sum per batch
-#: size: the fit reads a few hundred aggregates, never every step).
-BATCH_ITL_SLOT_S = 1.0
-#: Fewest inter-token samples (tokens) a fit needs.
-BATCH_ITL_MIN_TOKENS = 200
-#: Smallest weighted variance of the batch size (requests^2) a fit needs: batches that all
-#: had one size say nothing about the slope.
-BATCH_ITL_MIN_VARIANCE = 1.0
+BATCH_TPOT_HORIZON_S = 120.0
+#: Fewest finished requests a line needs.
+BATCH_TPOT_MIN_REQUESTS = 20
+#: Smallest variance of the requests' mean batch (requests^2) a line needs: requests that all
+#: ran beside the same batch say nothing about the slope.
+BATCH_TPOT_MIN_VARIANCE = 1.0
+#: Most spacing of the marks of the running-batch integral, seconds (a mark is also set
+#: where the batch changes: at most one a step); marks are kept for
+#: :data:`BATCH_MARKS_KEEP_S` (a request decoding for longer is averaged over what is kept;
+#: ~30k marks at 100 steps/s).
+BATCH_MARK_S = 0.1
+BATCH_MARKS_KEEP_S = 300.0
 
 
-class BatchItlFit:
-    """Mean inter-token latency of the engine's steps against their batch size: the least
-    squares line ``itl(n) = intercept + slope x n`` (seconds; ``n`` in requests) over the
-    last :data:`BATCH_ITL_HORIZON_S` seconds, each token's gap weighted once.
+class ItlLine(NamedTuple):
+    """The finished requests' TPOT against the mean batch they decoded in.
 
-    On a compute-bound engine (the CPU: decode cost grows with every sequence) the slope is
-    what a batch costs each stream; the intercept holds the fixed step cost and the prefill
-    chunks of the current traffic mixed into the steps. On a memory-bound GPU the slope is
-    small and the line allows large batches. The autotuner reads it as the largest batch
-    whose streams keep the inter-token target
+    ``tpot(n) = intercept_s + slope_s x n`` seconds (``n`` in requests), and ``p90_ratio``:
+    the 90th percentile of each request's TPOT over the line's value at its own batch (how
+    far the slower requests lie above the line; >= 1)."""
+
+    intercept_s: float
+    slope_s: float
+    p90_ratio: float
+
+
+class BatchTpotFit:
+    """Each finished request's TPOT (its mean inter-token latency, what the goodput rule
+    judges it by) against the mean batch it decoded in, and the least-squares line through
+    them over the last :data:`BATCH_TPOT_HORIZON_S` seconds (:meth:`line`).
+
+    The mean batch comes from the integral of the running batch over time, advanced at every
+    engine step (:meth:`advance`): over the request's decode time (first to last token) it
+    is what the request's tokens were computed beside. On a compute-bound engine (this CPU,
+    at saturation) the throughput of tokens is fixed and each stream's TPOT grows with the
+    batch; on a memory-bound GPU the slope is small. The autotuner reads the line as the
+    largest batch whose requests keep the inter-token target
     (:meth:`serve.admission.controller.Controller.itl_fit`).
 
     Args:
-        horizon_s: age in seconds after which steps are dropped.
-        slot_s: aggregation slot, seconds.
+        horizon_s: age in seconds after which a finished request leaves the line.
         clock: monotonic clock, seconds.
     """
 
-    def __init__(self, horizon_s: float = BATCH_ITL_HORIZON_S, slot_s: float = BATCH_ITL_SLOT_S,
+    def __init__(self, horizon_s: float = BATCH_TPOT_HORIZON_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.horizon_s = horizon_s
-        self.slot_s = slot_s
         self._clock = clock
-        #: (slot start, {batch size: [sum of gaps in seconds, gaps]}), oldest first.
-        self._slots: collections.deque[tuple[float, dict[int, list]]] = collections.deque()
+        self._area = 0.0  # integral of the running batch, request-seconds
+        self._last_step_s: float | None = None
+        self._batch = 0  # the batch of the last step
+        #: (time, integral): piecewise linear between marks.
+        self._marks: collections.deque[tuple[float, float]] = collections.deque()
+        #: (finish time, mean batch, TPOT seconds) of the finished requests.
+        self._points: collections.deque[tuple[float, float, float]] = collections.deque()
 
-    def add(self, batch: int, itls) -> None:
-        """One engine step: ``batch`` requests ran, and ``itls`` are the gaps (seconds) of
-        those that produced a token after their first."""
-        if batch <= 0 or not itls:
+    def advance(self, batch: int) -> None:
+        """An engine step ended now; ``batch`` requests ran in it (since the previous step).
+
+        The integral is marked where the batch changes, after a long step or an idle gap,
+        and every :data:`BATCH_MARK_S` seconds, so that the batch is constant between two
+        marks and the integral linear."""
+        now = self._clock()
+        last, marks = self._last_step_s, self._marks
+        if last is not None:
+            if (batch != self._batch or now - last > BATCH_MARK_S) and marks[-1][0] != last:
+                marks.append((last, self._area))
+            self._area += batch * (now - last)
+        self._batch, self._last_step_s = batch, now
+        if not marks or now - marks[-1][0] >= BATCH_MARK_S:
+            marks.append((now, self._area))
+            while now - marks[0][0] > BATCH_MARKS_KEEP_S:
+                marks.popleft()
+
+    def _area_at(self, t: float) -> float:
+        """The integral at time ``t``: between the marks, or between the last mark and the
+        last step (the integral now), linearly."""
+        marks = self._marks
+        i = bisect.bisect_left(marks, (t, -math.inf))
+        if i == 0:
+            return marks[0][1]
+        t0, a0 = marks[i - 1]
+        t1, a1 = marks[i] if i < len(marks) else (self._last_step_s, self._area)
+        return a0 + (a1 - a0) * (t - t0) / (t1 - t0) if t1 > t0 else a1
+
+    def add(self, decode_s: float, tpot_s: float) -> None:
+        """A request finished now after ``decode_s`` seconds from its first to its last token,
+        at ``tpot_s`` seconds per token."""
+        if decode_s <= 0 or not self._marks or self._last_step_s is None:
             return
         now = self._clock()
-        if not self._slots or now - self._slots[-1][0] >= self.slot_s:
-            self._slots.append((now, {}))
-            while now - self._slots[0][0] > self.horizon_s:
-                self._slots.popleft()
-        agg = self._slots[-1][1].setdefault(batch, [0.0, 0])
-        agg[0] += sum(itls)
-        agg[1] += len(itls)
+        since = max(now - decode_s, self._marks[0][0])
+        if now - since <= 0:
+            return
+        batch = (self._area_at(now) - self._area_at(since)) / (now - since)
+        self._points.append((now, batch, tpot_s))
+        while now - self._points[0][0] > self.horizon_s:
+            self._points.popleft()
 
     def clear(self) -> None:
-        self._slots.clear()
+        self._points.clear()
 
-    def line(self) -> tuple[float, float] | None:
-        """``(intercept_s, slope_s)`` of the weighted least-squares line, or None with fewer
-        than :data:`BATCH_ITL_MIN_TOKENS` gaps or batch sizes whose weighted variance is
-        under :data:`BATCH_ITL_MIN_VARIANCE`."""
+    def line(self) -> ItlLine | None:
+        """The least-squares line and its spread (:class:`ItlLine`), or None with fewer than
+        :data:`BATCH_TPOT_MIN_REQUESTS` requests or mean batches whose variance is under
+        :data:`BATCH_TPOT_MIN_VARIANCE`."""
         now = self._clock()
-        w = sn = sy = snn = sny = 0.0
-        for start, batches in self._slots:
-            if now - start > self.horizon_s:
-                continue
-            for n, (total, count) in batches.items():
-                w += count
-                sn += count * n
-                sy += total
-                snn += count * n * n
-                sny += total * n
-        if w < BATCH_ITL_MIN_TOKENS:
+        points = [(n, y) for t, n, y in self._points if now - t <= self.horizon_s]
+        if len(points) < BATCH_TPOT_MIN_REQUESTS:
             return None
-        mean_n = sn / w
-        var_n = snn / w - mean_n * mean_n
-        if var_n < BATCH_ITL_MIN_VARIANCE:
+        k = len(points)
+        mean_n = sum(n for n, _ in points) / k
+        mean_y = sum(y for _, y in points) / k
+        var_n = sum((n - mean_n) ** 2 for n, _ in points) / k
+        if var_n < BATCH_TPOT_MIN_VARIANCE:
             return None
-        slope = (sny / w - mean_n * sy / w) / var_n
-        return sy / w - slope * mean_n, slope
+        slope = sum((n - mean_n) * (y - mean_y) for n, y in points) / k / var_n
+        intercept = mean_y - slope * mean_n
+        ratios = [y / fit for n, y in points if (fit := intercept + slope * n) > 0]
+        spread = max(1.0, percentile(ratios, 90) or 1.0)
+        return ItlLine(intercept, slope, spread)
 
 
 def stalled_s(now: float, last_step_s: float | None, busy_since_s: float | None) -> float:
@@ -206,8 +252,8 @@ class EngineStatsFeed:
     request_tokens: collections.deque = field(init=False)
     #: Prompt tokens of the last finished requests.
     prompt_tokens: collections.deque = field(init=False)
-    #: Mean inter-token latency against the batch size (:class:`BatchItlFit`).
-    batch_itl: BatchItlFit = field(init=False)
+    #: Finished requests' TPOT against their mean batch (:class:`BatchTpotFit`).
+    batch_tpot: BatchTpotFit = field(init=False)
     #: Called with the new rate each time a burst measures the prefill rate (the autotune
     #: loop sets the limiter's burst budget from it, within the burst that measured it).
     on_prefill_rate: Callable[[float], None] | None = None
@@ -223,7 +269,7 @@ class EngineStatsFeed:
         self.tpot = SlidingWindow(self.window_s, self.clock)
         self.request_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
         self.prompt_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
-        self.batch_itl = BatchItlFit(clock=self.clock)
+        self.batch_tpot = BatchTpotFit(clock=self.clock)
 
     @property
     def mean_request_tokens(self) -> float | None:
@@ -295,11 +341,13 @@ class EngineStatsFeed:
             finished = iteration_stats.finished_requests
             if scheduler_stats is not None:
                 # The step's batch: what runs after it, plus what it finished.
-                self.batch_itl.add(scheduler_stats.num_running_reqs + len(finished),
-                                   iteration_stats.inter_token_latencies_iter)
+                self.batch_tpot.advance(scheduler_stats.num_running_reqs + len(finished))
             if finished:
                 self.tpot.extend(done.mean_time_per_output_token for done in finished
                                  if done.num_generation_tokens > 1)
+                for done in finished:
+                    if done.num_generation_tokens > 1:
+                        self.batch_tpot.add(done.decode_time, done.mean_time_per_output_token)
             for done in finished:
                 self.request_tokens.append(done.num_prompt_tokens + done.num_generation_tokens)
                 self.prompt_tokens.append(done.num_prompt_tokens)

@@ -118,7 +118,7 @@ class AutotuneLoop:
             mean_request_tokens=self.feed.mean_request_tokens,
             mean_prompt_tokens=self.feed.mean_prompt_tokens,
             prefill_tokens_per_s=self.feed.prefill_tokens_per_s,
-            itl_line=self.feed.batch_itl.line(),
+            itl_line=self.feed.batch_tpot.line(),
             gpu_utilization=self.gpu.read(),
         )
 

@@ -334,25 +334,25 @@ def test_burst_cap_is_the_idle_limit_without_its_ttft_fit():
 
 
 def test_the_itl_fit_bounds_probes_and_the_idle_limit():
-    """Where each running request slows every step (the CPU engine: 4 ms + 2 ms per request),
-    the limit stops at the batch whose mean inter-token latency is 0.7 of the target: 70 ms
-    of the 100-ms target at (70 - 4) / 2 = 33 requests."""
-    from serve.admission.controller import ITL_FIT_RATIO
+    """Where each running request slows every stream (the CPU engine at saturation: 4 ms +
+    2 ms per request) and the slower requests lie 1.25x above that line, the limit stops at
+    the batch where nine in ten keep the 100-ms target: (100 / 1.25 - 4) / 2 = 38."""
+    from serve.admission.engine_stats import ItlLine
 
-    c = Controller(CFG, limit=30)
-    line = (0.004, 0.002)
-    assert ITL_FIT_RATIO == 0.7 and c.itl_fit(busy(0, 30, itl_line=line)) == 33
-    d = c.step(busy(0, 30, itl_line=line))  # the step (+8) is cut to the fit
-    assert (d.new_limit, d.direction, d.reason) == (33, "up", "itl_fit")
-    d = c.step(busy(2, 33, itl_line=line))
-    assert (d.new_limit, d.direction, d.reason) == (33, "hold", "itl_fit")
+    c = Controller(CFG, limit=34)
+    line = ItlLine(0.004, 0.002, 1.25)
+    assert c.itl_fit(busy(0, 34, itl_line=line)) == 38
+    d = c.step(busy(0, 34, itl_line=line))  # the step (+9) is cut to the fit
+    assert (d.new_limit, d.direction, d.reason) == (38, "up", "itl_fit")
+    d = c.step(busy(2, 38, itl_line=line))
+    assert (d.new_limit, d.direction, d.reason) == (38, "hold", "itl_fit")
     # An idle engine takes the next burst at most at the fit, under its KV fit (60).
     c.set_capacity(64_000)
     idle = Signals(t=10, mean_request_tokens=1000.0, itl_line=line)
-    assert c.idle_limit(idle) == 33 and c.burst_cap(idle) == 33
+    assert c.idle_limit(idle) == 38 and c.burst_cap(idle) == 38
     assert c.idle_limit(dataclasses.replace(idle, itl_line=None)) == 60
-    # No bound where the batch does not slow the steps (a memory-bound GPU), or where even
-    # one request misses the bound (fewer would not help).
-    assert c.itl_fit(busy(0, 30, itl_line=(0.02, -0.0001))) is None
-    assert c.itl_fit(busy(0, 30, itl_line=(0.08, 0.001))) is None
-    assert c.itl_fit(busy(0, 30, itl_line=(0.0, 0.5))) == CFG.min_seqs
+    # No bound where the batch does not slow the streams (a memory-bound GPU), or where even
+    # the intercept misses the target (fewer requests would not help).
+    assert c.itl_fit(busy(0, 30, itl_line=ItlLine(0.02, -0.0001, 1.2))) is None
+    assert c.itl_fit(busy(0, 30, itl_line=ItlLine(0.09, 0.001, 1.2))) is None
+    assert c.itl_fit(busy(0, 30, itl_line=ItlLine(0.0, 0.5, 1.0))) == CFG.min_seqs

@@ -19,6 +19,7 @@ class Done:
     num_prompt_tokens: int
     num_generation_tokens: int
     mean_time_per_output_token: float = 0.0
+    decode_time: float = 0.0
 
 
 @dataclass
@@ -182,46 +183,64 @@ def test_the_loop_gives_a_burst_the_prefill_budget_its_rate_fits():
     assert loop.controller.decisions[-1].old_limit == 3
 
 
-def test_the_steps_draw_their_itl_against_their_batch_size():
-    """Each step's gaps, weighted once per token, against the batch that ran (what runs after
-    the step plus what it finished): steps of 8 and 16 requests at 20 and 36 ms draw the line
-    4 ms + 2 ms per request."""
-    from serve.admission.engine_stats import BATCH_ITL_HORIZON_S
+def test_finished_requests_draw_their_tpot_against_the_batch_they_decoded_in():
+    """Steps every 0.1 s, 8 requests running for 2 s and then 16 for 2 s. Requests that
+    decoded in the first half (mean batch 8) ran at 20 ms a token, in the second (16) at
+    36 ms, across both (12) at 28 ms: the line is 4 ms + 2 ms per request, and every request
+    lies on it."""
+    from serve.admission.engine_stats import BATCH_TPOT_HORIZON_S
 
     clock = Clock()
     feed = EngineStatsFeed(clock=clock)
-    assert feed.batch_itl.line() is None
-    for _ in range(20):
-        feed.record(Sched(8, 0), Iter(inter_token_latencies_iter=[0.020] * 8))
-        clock.t += 0.5
-        # 15 run on, one finished: a batch of 16.
-        feed.record(Sched(15, 0), Iter(inter_token_latencies_iter=[0.036] * 16,
-                                       finished_requests=[Done(100, 50, 0.03)]))
-        clock.t += 0.5
-    intercept, slope = feed.batch_itl.line()
-    assert abs(intercept - 0.004) < 1e-9 and abs(slope - 0.002) < 1e-9
-    # Steps older than the horizon leave it.
-    clock.t += BATCH_ITL_HORIZON_S + 1
-    assert feed.batch_itl.line() is None
+
+    def step(k: int, batch: int, finished=()) -> None:
+        clock.t = 100 + k / 10
+        feed.record(Sched(batch - len(finished), 0), Iter(finished_requests=list(finished)))
+
+    for k in range(20):
+        step(k, 8)
+    step(20, 8, [Done(100, 101, 0.020, 2.0)] * 7)  # decoded over t = 100-102, beside 8
+    assert feed.batch_tpot.line() is None  # 7 requests, all at one batch size
+    for k in range(21, 40):
+        step(k, 16)
+    step(40, 16, [Done(100, 56, 0.036, 2.0)] * 7 + [Done(100, 144, 0.028, 4.0)] * 7)
+    line = feed.batch_tpot.line()
+    assert abs(line.intercept_s - 0.004) < 1e-9 and abs(line.slope_s - 0.002) < 1e-9
+    assert line.p90_ratio == 1.0
+    # Requests older than the horizon leave the line.
+    clock.t += BATCH_TPOT_HORIZON_S + 1
+    assert feed.batch_tpot.line() is None
 
 
-def test_the_batch_itl_line_needs_several_batch_sizes_and_enough_tokens():
-    from serve.admission.engine_stats import BATCH_ITL_MIN_TOKENS, BatchItlFit
+def test_the_batch_tpot_line_spread_and_what_it_needs():
+    """The spread is the p90 of the requests' TPOT over the line at their batch; a line needs
+    enough requests and more than one batch size; an idle gap is not a batch."""
+    from serve.admission.engine_stats import BATCH_TPOT_MIN_REQUESTS, BatchTpotFit
 
     clock = Clock()
-    fit = BatchItlFit(clock=clock)
-    for _ in range(BATCH_ITL_MIN_TOKENS):  # many tokens, one batch size: no slope to see
-        fit.add(12, [0.03])
-        clock.t += 0.1
+    fit = BatchTpotFit(clock=clock)
+    fit.add(1.0, 0.03)  # no step seen yet: nothing to average over
     assert fit.line() is None
-    fit.clear()
-    fit.add(4, [0.01] * 10)  # two sizes, too few tokens
-    fit.add(20, [0.05] * 10)
+
+    def run(batch: int, seconds: float) -> None:
+        for _ in range(round(seconds * 10)):
+            clock.t += 0.1
+            fit.advance(batch)
+
+    def tpot(n: int) -> float:
+        return 0.002 + 0.0005 * n
+
+    fit.advance(4)
+    run(4, 1.0)
+    half = BATCH_TPOT_MIN_REQUESTS // 2
+    for _ in range(2 * half):  # enough requests, one batch size: no slope
+        fit.add(1.0, tpot(4))
     assert fit.line() is None
-    fit.add(0, [0.5])  # an empty batch or a step without gaps adds nothing
-    fit.add(8, [])
-    for _ in range(BATCH_ITL_MIN_TOKENS // 20):
-        fit.add(4, [0.01] * 10)
-        fit.add(20, [0.05] * 10)
-    intercept, slope = fit.line()
-    assert abs(slope - 0.0025) < 1e-9 and abs(intercept - 0.0) < 1e-9
+    clock.t += 30.0  # idle: no steps
+    run(20, 1.0)  # the first step after the gap ran for 0.1 s, not 30
+    for factor in (0.9, 1.1):  # requests of the last second, half faster, half slower
+        for _ in range(half):
+            fit.add(1.0, factor * tpot(20))
+    line = fit.line()
+    assert abs(line.intercept_s - 0.002) < 1e-9 and abs(line.slope_s - 0.0005) < 1e-9
+    assert abs(line.p90_ratio - 1.1) < 1e-9
