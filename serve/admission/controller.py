@@ -234,6 +234,8 @@ class Controller:
     _sustained_cut: bool = field(default=False, init=False)
     #: The limit the last busy period with such a cut ended at (None: it had none).
     _overload_limit: int | None = field(default=None, init=False)
+    #: A cut started the latency windows afresh and no TTFT was measured since (no probe).
+    _await_sample: bool = field(default=False, init=False)
     decisions: deque = field(init=False)
 
     def __post_init__(self) -> None:
@@ -348,8 +350,12 @@ class Controller:
 
     def has_headroom(self, s: Signals) -> bool:
         """Latency (and GPU, when known) leave room for more sequences. A window without
-        samples (none since a cut started it afresh, or no request has finished yet) does
-        not block a probe; the KV fit still bounds it (:meth:`kv_fit`)."""
+        samples (no request has finished yet) does not block a probe; the KV and ITL fits
+        still bound it (:meth:`kv_fit`, :meth:`itl_fit`). After a cut, which starts the
+        windows afresh, :meth:`step` waits for a TTFT measured at the new limit before the
+        next probe: on the CPU suite's T5 a probe on the empty windows 3 s after a TTFT cut
+        (13 -> 17) was followed by two more cuts, to 8 and 4, and the long answers that came
+        next queued behind the limit."""
         c = self.config
         ttft_ok = s.ttft_p90_s is None or s.ttft_p90_s < c.headroom * c.ttft_target_s
         itl_ok = s.itl_p90_s is None or s.itl_p90_s < c.headroom * c.itl_target_s
@@ -425,6 +431,8 @@ class Controller:
                 # (a burst arrives within one tick interval; on the CPU engine the grace held
                 # the limit at 32 through the first 5 s of T6's sustained 2x overload).
                 self._burst_until = float("-inf")
+        if s.ttft_p90_s is not None:
+            self._await_sample = False
         reason = self.overload_reason(s)
         if reason in LATENCY_REASONS and s.t < self._burst_until:
             # Never a cut; a raise to the idle limit when the rest of the burst is queued:
@@ -447,6 +455,7 @@ class Controller:
         elif reason is not None:
             new = self._clamp(math.floor(old * self._cut_factor(reason, s)))
             self._cooldown_until = s.t + c.cooldown_s
+            self._await_sample = new < old
             direction: Direction = "down" if new < old else "hold"
             if new == old:
                 reason = "bound"
@@ -454,7 +463,8 @@ class Controller:
                 self._sustained_cut = True
         elif s.t < self._cooldown_until:
             new, direction, reason = old, "hold", "cooldown"
-        elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s):
+        elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s) \
+                and not self._await_sample:
             step = min(c.max_step, max(1, math.ceil(old * c.increase_ratio)))
             new = self._clamp(old + step)
             reason = "demand"

@@ -356,3 +356,19 @@ def test_the_itl_fit_bounds_probes_and_the_idle_limit():
     assert c.itl_fit(busy(0, 30, itl_line=ItlLine(0.02, -0.0001, 1.2))) is None
     assert c.itl_fit(busy(0, 30, itl_line=ItlLine(0.09, 0.001, 1.2))) is None
     assert c.itl_fit(busy(0, 30, itl_line=ItlLine(0.0, 0.5, 1.0))) == CFG.min_seqs
+
+
+def test_after_a_cut_the_next_probe_waits_for_a_ttft_at_the_new_limit():
+    """A cut starts the latency windows afresh: a probe on the empty windows would raise the
+    limit on no evidence of the new one. The first TTFT measured since ends the wait; an
+    empty TPOT window alone (long answers, nothing finished yet) does not block."""
+    c = Controller(CFG, limit=32)
+    d = c.step(busy(0, 32, ttft_p90_s=1.5))  # over the 1-s target: cut
+    assert d.is_cut and c.limit == 21
+    blind = busy(10, 21, ttft_p90_s=None, itl_p90_s=None)  # cooldown over, windows empty
+    assert c.step(blind).direction == "hold"
+    assert c.step(dataclasses.replace(blind, t=11)).direction == "hold"
+    d = c.step(busy(12, 21, ttft_p90_s=0.2, itl_p90_s=None))
+    assert (d.direction, d.reason) == ("up", "demand")
+    # Once measured, empty windows do not block a probe again.
+    assert c.step(busy(14, d.new_limit, ttft_p90_s=None, itl_p90_s=None)).direction == "up"
