@@ -182,9 +182,6 @@ class BatchTpotFit:
         while now - self._points[0][0] > self.horizon_s:
             self._points.popleft()
 
-    def clear(self) -> None:
-        self._points.clear()
-
     def line(self) -> ItlLine | None:
         """The least-squares line and its spread (:class:`ItlLine`), or None with fewer than
         :data:`BATCH_TPOT_MIN_REQUESTS` requests or mean batches whose variance is under
