@@ -339,15 +339,14 @@ class EngineStatsFeed:
             if scheduler_stats is not None:
                 # The step's batch: what runs after it, plus what it finished.
                 self.batch_tpot.advance(scheduler_stats.num_running_reqs + len(finished))
-            if finished:
-                self.tpot.extend(done.mean_time_per_output_token for done in finished
-                                 if done.num_generation_tokens > 1)
-                for done in finished:
-                    if done.num_generation_tokens > 1:
-                        self.batch_tpot.add(done.decode_time, done.mean_time_per_output_token)
+            tpots = []
             for done in finished:
                 self.request_tokens.append(done.num_prompt_tokens + done.num_generation_tokens)
                 self.prompt_tokens.append(done.num_prompt_tokens)
+                if done.num_generation_tokens > 1:
+                    tpots.append(done.mean_time_per_output_token)
+                    self.batch_tpot.add(done.decode_time, done.mean_time_per_output_token)
+            self.tpot.extend(tpots)  # one stamp per step (an empty batch adds nothing)
 
 
 def stat_logger_factory(feed: EngineStatsFeed):
