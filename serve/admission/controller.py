@@ -45,7 +45,9 @@ Algorithm: AIMD with hysteresis and a cooldown, gated by latency headroom.
 - **Overload limit**: a busy period that was cut on an overload while requests kept
   arriving ends at what the engine held under every target; the next idle limit is at most
   that (:meth:`Controller.idle_limit`). After every cut the loop
-  (:class:`~serve.admission.loop.AutotuneLoop`) starts the latency windows afresh.
+  (:class:`~serve.admission.loop.AutotuneLoop`) starts the latency windows afresh, with the
+  requests that reach the engine after the cut only
+  (:meth:`~serve.admission.engine_stats.EngineStatsFeed.restart_latency_windows`).
 - Bounds ``[min_seqs, ceiling]`` always; ``ceiling`` is the engine's ``--max-num-seqs``.
 
 Sources: Netflix concurrency-limits ``AIMDLimit`` / ``Gradient2Limit`` (multiplicative backoff

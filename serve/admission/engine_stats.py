@@ -260,6 +260,9 @@ class EngineStatsFeed:
     _burst_tokens: int = field(default=0, init=False)
     _burst_open: bool = field(default=False, init=False)
     _burst_count: int = field(default=0, init=False)
+    #: Clock time from which requests count in the latency windows, by their arrival at the
+    #: engine (:meth:`restart_latency_windows`; -inf: every request).
+    _measure_from: float = field(default=float("-inf"), init=False)
 
     def __post_init__(self) -> None:
         self.ttft = SlidingWindow(self.window_s, self.clock)
@@ -292,6 +295,22 @@ class EngineStatsFeed:
                 PREFILL_RATE_TTL_S:
             return None
         return self._prefill_rate
+
+    def restart_latency_windows(self) -> None:
+        """Empty the TTFT and TPOT windows, and from now on fill them only with requests
+        that reach the engine from now (the autotuner's cut: what follows must be measured
+        at the new limit).
+
+        A request's arrival at the engine is ``now - its TTFT`` (vLLM counts both from it)
+        and ``now - its e2e latency`` when it finishes. Requests admitted before the cut
+        that reach their first token or finish after it were admitted at the old limit: on
+        the CPU suite's T5 the image requests queued inside the engine at a limit of 21 gave
+        TTFTs of 3-5 s after a cut to 12, which cut again to 6 and to 3, and the long answers
+        that came next queued behind the limit.
+        """
+        self.ttft.clear()
+        self.tpot.clear()
+        self._measure_from = self.clock()
 
     def _burst_prefill(self, now: float, idle_before: bool, iteration_stats) -> None:
         """Measure the prefill throughput on a burst: requests that reach an idle engine
@@ -334,7 +353,9 @@ class EngineStatsFeed:
         if iteration_stats is not None:
             self._burst_prefill(now, idle_before, iteration_stats)
             self.preemptions_total += iteration_stats.num_preempted_reqs
-            self.ttft.extend(iteration_stats.time_to_first_tokens_iter)
+            since = now - self._measure_from  # the oldest age that counts, seconds
+            self.ttft.extend(t for t in iteration_stats.time_to_first_tokens_iter
+                             if t <= since)
             finished = iteration_stats.finished_requests
             if scheduler_stats is not None:
                 # The step's batch: what runs after it, plus what it finished.
@@ -344,7 +365,8 @@ class EngineStatsFeed:
                 self.request_tokens.append(done.num_prompt_tokens + done.num_generation_tokens)
                 self.prompt_tokens.append(done.num_prompt_tokens)
                 if done.num_generation_tokens > 1:
-                    tpots.append(done.mean_time_per_output_token)
+                    if done.e2e_latency <= since:
+                        tpots.append(done.mean_time_per_output_token)
                     self.batch_tpot.add(done.decode_time, done.mean_time_per_output_token)
             self.tpot.extend(tpots)  # one stamp per step (an empty batch adds nothing)
 

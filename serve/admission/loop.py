@@ -138,12 +138,12 @@ class AutotuneLoop:
                 self.limiter.set_limit(decision.new_limit)
             if decision.is_cut:
                 # The latency windows hold the samples that caused the cut: start them afresh
-                # so the next decision reads the new limit only (as Envoy's adaptive
-                # concurrency filter samples each interval anew). Kept, they cut again on the
-                # same stale p90 once the cooldown ended: 32 -> 16 -> 8 -> 4 in 7 s in the
-                # CPU suite's T2 with a 5-s window and a 3-s cooldown.
-                self.feed.ttft.clear()
-                self.feed.tpot.clear()
+                # with the requests admitted from now, so the next decision reads the new
+                # limit only (as Envoy's adaptive concurrency filter samples each interval
+                # anew). Kept, they cut again on the same stale p90 once the cooldown ended:
+                # 32 -> 16 -> 8 -> 4 in 7 s in the CPU suite's T2 with a 5-s window and a
+                # 3-s cooldown.
+                self.feed.restart_latency_windows()
             if decision.direction != "hold":
                 log.info("max_num_seqs %d -> %d (%s)", decision.old_limit, decision.new_limit,
                          decision.reason)

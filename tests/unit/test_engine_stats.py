@@ -20,6 +20,7 @@ class Done:
     num_generation_tokens: int
     mean_time_per_output_token: float = 0.0
     decode_time: float = 0.0
+    e2e_latency: float = 0.0
 
 
 @dataclass
@@ -118,8 +119,10 @@ def test_tpot_window_holds_finished_requests_mean_itl():
 
 
 def test_a_cut_starts_the_latency_windows_afresh():
-    """The autotuner loop clears the TTFT/TPOT windows when it cuts: the samples that caused
-    the cut must not cut again once the cooldown is over (windup on a stale p90)."""
+    """The autotuner loop clears the TTFT/TPOT windows when it cuts, and fills them from
+    then on with the requests that reach the engine after the cut: the samples that caused
+    the cut, and those of requests admitted at the old limit, must not cut again once the
+    cooldown is over (windup on a stale p90)."""
     import dataclasses
 
     from serve.admission.controller import Controller, ControllerConfig
@@ -141,9 +144,20 @@ def test_a_cut_starts_the_latency_windows_afresh():
     assert d.direction == "down" and d.reason == "slo_itl"
     assert loop.last_signals.itl_p90_s == 0.2
     assert len(feed.tpot) == 0 and feed.tpot.percentile(90) is None
+    # Requests admitted before the cut (at the old limit) that reach their first token or
+    # finish after it do not count: they reached the engine before it.
+    clock.t += 0.5
+    feed.record(Sched(16, 0), Iter(time_to_first_tokens_iter=[3.0, 0.6],
+                                   finished_requests=[Done(100, 64, 0.2, e2e_latency=4.0)]))
+    assert len(feed.tpot) == 0 and feed.ttft.percentile(90) is None
     # Fresh samples under the new limit are what the next decisions read.
-    feed.record(Sched(16, 0), Iter(finished_requests=[Done(100, 64, 0.01)] * 4))
-    assert feed.tpot.percentile(90) == 0.01
+    feed.record(Sched(16, 0), Iter(time_to_first_tokens_iter=[0.4, 0.5, 3.0],
+                                   finished_requests=[Done(100, 64, 0.01, e2e_latency=0.5)] * 4
+                                   + [Done(100, 64, 0.3, e2e_latency=0.6)]))
+    assert feed.tpot.percentile(90) == 0.01 and len(feed.tpot) == 4
+    assert feed.ttft.percentile(100) == 0.5 and len(feed.ttft) == 2
+    # The batch/TPOT line and the sizes still take every finished request.
+    assert len(feed.request_tokens) == 8 + 1 + 5
     for slot in slots:
         slot.release()
 
