@@ -660,14 +660,19 @@ CPU_SUITE_GAP_S = 8.0
 def cpu_suite_benchmark(out: Path, seed: int = 0, limits: tuple[int, ...] = CPU_SUITE_LIMITS,
                         slo: SloTargets = CPU_SLO,
                         quiet_wait_s: float = 30.0, retries: int = 1,
-                        capacity: Capacity | None = None) -> list[TraceRow]:
+                        capacity: Capacity | None = None,
+                        aa_limit: int | None = None) -> list[TraceRow]:
     """The suite on the real tiny engine (:func:`bench.trace.cpu_suite`: T1, T2, T5, T6 at CPU
     scale, played back to back with :data:`CPU_SUITE_GAP_S` between them), against ``auto``,
     each fixed limit and ``unlimited`` (plain vLLM's OpenAI server on the same engine), each
     a fresh server. The traces' rates are fractions of ``capacity``: by default measured
     first, in the same run (:func:`cpu_capacity_benchmark`, ~3 min), because this machine's
     speed moves from day to day. Prints one row per trace and the final line; writes
-    ``cpu-suite.json``."""
+    ``cpu-suite.json``.
+
+    ``aa_limit``: run that fixed limit a second time, last (label ``L=<n>b``, in no baseline),
+    and print each trace's goodput ratio of the two runs (an A/A control: how far the same
+    setting moves between two servers of one run, ~3.3 min more)."""
     from bench import cpu_engine as ce
     from bench import process
 
@@ -682,6 +687,9 @@ def cpu_suite_benchmark(out: Path, seed: int = 0, limits: tuple[int, ...] = CPU_
     bodies = ce.build_bodies(trace, process.TINY_MODEL.name)
     common = ["--slo-ttft-s", f"{slo.ttft_s:g}", "--slo-itl-s", f"{slo.itl_s:g}"]
     settings = [*cpu_settings(limits), ce.Setting("unlimited", raw=True)]
+    if aa_limit is not None:
+        settings.append(ce.Setting(f"L={aa_limit}b", ["--autotune", "static",
+                                                      "--admission-limit", str(aa_limit)]))
     sizes = ", ".join(f"{n} {len(t.requests)} req/{t.duration_s:.0f} s"
                       for n, t in by_name.items())
     print(f"cpu engine suite: {sizes} (seed {seed}); {len(settings)} servers one at a time (auto: "
@@ -689,19 +697,23 @@ def cpu_suite_benchmark(out: Path, seed: int = 0, limits: tuple[int, ...] = CPU_
           f"plain vLLM); SLO TTFT {slo.ttft_s:g} s, ITL {slo.itl_s:g} s", flush=True)
     replays, extra = run_settings(settings, trace, bodies, common, out / "cpu-suite", drain_s,
                                   slo, quiet_wait_s, retries)
-    rows = []
+    rows, aa = [], []
     for name, part in by_name.items():
         ids = {r.id for r in part.requests}
-        sums = [summarize(rep.label, [r for r in rep.results if r.request.id in ids], part, slo,
-                          None) for rep in replays]
-        rows.append(TraceRow(name, part, sums[0], sums[1:-1], sums[-1]))
+        sums = [summarize(setting.label, [r for r in rep.results if r.request.id in ids],
+                          part, slo, None) for setting, rep in zip(settings, replays, strict=True)]
+        rows.append(TraceRow(name, part, sums[0], sums[1:1 + len(limits)],
+                             sums[1 + len(limits)]))
+        if aa_limit is not None:
+            first = next(x for x in sums if x.label == f"L={aa_limit}")
+            aa.append(f"{name}={TraceRow._ratio(sums[-1], first):.2f}")
     print(format_suite(SuiteReport("cpu", capacity, rows)))
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu-suite.json").write_text(json.dumps({
         "seed": seed, "slo": asdict(slo), "capacity": asdict(capacity),
-        "runs": [{"label": rep.label, **info, "limits": rep.limits, "fits": rep.fits,
+        "runs": [{"label": setting.label, **info, "limits": rep.limits, "fits": rep.fits,
                   "requests": [_outcome(r) for r in rep.results]}
-                 for rep, info in zip(replays, extra, strict=False)],
+                 for setting, rep, info in zip(settings, replays, extra, strict=True)],
         "traces": [{"name": t.name, "auto": asdict(t.auto), "unlimited": asdict(t.unlimited),
                     "statics": [asdict(x) for x in t.statics]} for t in rows]}, indent=1))
     for rep in replays:
@@ -713,6 +725,9 @@ def cpu_suite_benchmark(out: Path, seed: int = 0, limits: tuple[int, ...] = CPU_
     if noisy:
         print(f"WARNING: other processes shared the cores during {', '.join(noisy)}: run "
               "again on a quiet machine.")
+    if aa:
+        print(f"cpu-engine A/A goodput L={aa_limit}b/L={aa_limit} (the same fixed limit, two "
+              f"servers of this run) {' '.join(aa)}")
     print(f"cpu engine suite: {time.monotonic() - t_start:.0f} s in all")
     print(f"cpu-engine min auto/best_static={min(r.vs_best_static for r in rows):.2f} "
           f"min auto/unlimited={min(r.vs_unlimited for r in rows):.2f}")
@@ -782,6 +797,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-retries", type=int, default=1,
                         help="run a CPU setting again when other processes used over "
                         f"{NOISY_CORES:g} cores during it, up to this many times (default 1)")
+    parser.add_argument("--cpu-aa", type=int, default=None, metavar="L",
+                        help="CPU suite: run fixed limit L a second time, last, and print "
+                        "each trace's goodput ratio of its two runs (an A/A noise control, "
+                        "~3.3 min more)")
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=PROFILES,
                         help="simulator profiles of the suite (default: all)")
     parser.add_argument("--skip-sim", action="store_true",
@@ -802,7 +821,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cpu_engine:
         cpu_suite_benchmark(args.out, args.seed, tuple(args.cpu_limits), slo,
                             args.cpu_quiet_wait_s, args.cpu_retries,
-                            CPU_CAPACITY if args.cpu_fixed_capacity else None)
+                            CPU_CAPACITY if args.cpu_fixed_capacity else None,
+                            args.cpu_aa)
     return 0
 
 

@@ -207,7 +207,8 @@ async def replay_http(trace: Trace, base_url: str, bodies: list[bytes] | None = 
         label = {"auto": "auto", "unlimited": "unlimited"}.get(state["mode"],
                                                               f"L={state['limit']}")
         limits: list[tuple[float, int]] = []
-        fits: list[tuple[float, int | None, int | None]] = []
+        #: (t, ITL fit, burst cap, ITL line (intercept s, slope s, p90 ratio) or None).
+        fits: list[tuple[float, int | None, int | None, list | None]] = []
         start = time.monotonic()
 
         async def poll() -> None:
@@ -216,7 +217,8 @@ async def replay_http(trace: Trace, base_url: str, bodies: list[bytes] | None = 
                     now = (await client.get("/admin/autotuner")).json()
                     t = time.monotonic() - start
                     limits.append((t, now["limit"]))
-                    fits.append((t, now.get("itl_fit"), now.get("burst_cap")))
+                    line = (now.get("last_signals") or {}).get("itl_line")
+                    fits.append((t, now.get("itl_fit"), now.get("burst_cap"), line))
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(poll_s)
