@@ -676,6 +676,9 @@ def cpu_suite_benchmark(out: Path, seed: int = 0, limits: tuple[int, ...] = CPU_
     from bench import cpu_engine as ce
     from bench import process
 
+    if aa_limit is not None and aa_limit not in limits:
+        # Checked before the ~20-min run: the A/A ratio needs the limit's first run.
+        raise ValueError(f"aa_limit {aa_limit} is not one of the fixed limits {limits}")
     t_start = time.monotonic()
     if capacity is None:
         print("cpu engine suite: measuring this machine's capacity first", flush=True)
@@ -720,7 +723,7 @@ def cpu_suite_benchmark(out: Path, seed: int = 0, limits: tuple[int, ...] = CPU_
         if rep.mode == "auto":
             print("auto's limit every 2.5 s (polled /admin/autotuner), by phase:")
             print(limit_timeline(rep.limits, trace))
-    noisy = [rep.label for rep, info in zip(replays, extra, strict=False)
+    noisy = [setting.label for setting, info in zip(settings, extra, strict=True)
              if (info.get("foreign_cores") or 0.0) > NOISY_CORES]
     if noisy:
         print(f"WARNING: other processes shared the cores during {', '.join(noisy)}: run "
@@ -798,9 +801,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run a CPU setting again when other processes used over "
                         f"{NOISY_CORES:g} cores during it, up to this many times (default 1)")
     parser.add_argument("--cpu-aa", type=int, default=None, metavar="L",
-                        help="CPU suite: run fixed limit L a second time, last, and print "
-                        "each trace's goodput ratio of its two runs (an A/A noise control, "
-                        "~3.3 min more)")
+                        help="CPU suite: run fixed limit L (one of --cpu-limits) a second "
+                        "time, last, and print each trace's goodput ratio of its two runs (an "
+                        "A/A noise control, ~3.3 min more)")
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=PROFILES,
                         help="simulator profiles of the suite (default: all)")
     parser.add_argument("--skip-sim", action="store_true",

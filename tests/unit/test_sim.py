@@ -206,3 +206,13 @@ def test_h200_profile_from_first_principles():
     assert e.step_per_image_token_s == pytest.approx(4.9e-6, rel=0.02)
     assert e.step_per_kv_token_s == pytest.approx(0.10e-6, rel=0.03)
     assert e.block_size == 16 and 17_000 < e.num_gpu_blocks < 20_000
+
+
+def test_cpu_suite_refuses_an_aa_limit_it_does_not_run_before_starting(tmp_path):
+    """``--cpu-aa L`` compares L's second run with its first: an L outside the suite's fixed
+    limits is refused before the ~20-min run starts, not after it."""
+    from bench.autotune import cpu_suite_benchmark
+
+    with pytest.raises(ValueError, match="aa_limit 4"):
+        cpu_suite_benchmark(tmp_path, limits=(8, 16, 32), aa_limit=4)
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written
