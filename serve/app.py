@@ -45,7 +45,7 @@ from serve import engine as engine_mod
 from serve import http_metrics
 from serve.admission.engine_stats import stalled_s
 from serve.admission.service import Admission
-from serve.asgi import REQUEST_STATE_KEY, BodyLimitMiddleware
+from serve.asgi import REQUEST_STATE_KEY, BodyLimitMiddleware, response_channel
 from serve.auth import ApiKeys, unauthorized
 from serve.errors import ENGINE_LOST, RETRY_AFTER_S, SHUTTING_DOWN, openai_error
 from serve.intake.service import Intake
@@ -96,8 +96,8 @@ class Gateway:
         settings: the stack's settings.
         on_fatal: called (no arguments) when the engine fails to boot, so the server can exit
             with a non-zero status instead of serving 503 forever.
-        registry: where the ``phi3v_*`` series go (``serve.metrics``); the default registry,
-            which vLLM's stat loggers use too, when None.
+        registry: where the ``phi3v_*`` series go (``serve.metrics``) and what ``/metrics``
+            serves; when None, the default registry, which vLLM's stat loggers use too.
     """
 
     def __init__(self, settings: Settings, on_fatal: Callable[[], None] | None = None,
@@ -109,6 +109,9 @@ class Gateway:
         self._exit_stack = contextlib.AsyncExitStack()
         # vLLM's registry by default, so /metrics serves both (see metrics()); tests pass their own.
         self.metrics = Metrics(registry if registry is not None else prometheus_client.REGISTRY)
+        #: What ``/metrics`` serves: vLLM's registry (None: looked up at the first scrape,
+        #: vLLM is imported only once the engine environment is set), or the test's.
+        self._scrape_registry = registry
         self.admission = Admission.from_settings(settings, self.metrics)
         self.intake = Intake.from_settings(settings)
         self.keys = ApiKeys.load(settings.api_keys, settings.api_key_file)
@@ -134,7 +137,8 @@ class Gateway:
             await self.own(scope, receive, send)
             return
         if scope["type"] == "http":
-            send = http_metrics.counting(scope, send, self.metrics.http_responses)
+            send = response_channel(send)  # the one send wrapper of the request's layers
+            http_metrics.count_responses(scope, send, self.metrics.http_responses)
             if scope.get("path") not in self._open_paths and not self.keys.permits(scope):
                 await unauthorized()(scope, receive, send)
                 return
@@ -221,10 +225,16 @@ class Gateway:
         return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
     async def metrics_page(self, request: Request) -> Response:
-        """Prometheus exposition of vLLM's registry (which also holds our series)."""
+        """Prometheus exposition of vLLM's registry (which also holds our series).
+
+        Generated in a worker thread, as vLLM's own ``/metrics`` (a plain FastAPI route) is:
+        one scrape of the ~900 series is ~30 ms of Python on the CPU machine, which on the
+        event loop stalled every running stream for as long, at every scrape."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return Response(generate_latest(_registry()), media_type=CONTENT_TYPE_LATEST)
+        registry = self._scrape_registry or _registry()
+        return Response(await asyncio.to_thread(generate_latest, registry),
+                        media_type=CONTENT_TYPE_LATEST)
 
     def curl_example(self) -> str:
         """A copy-pasteable text chat request for the ready line."""

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from prometheus_client import Counter
-from starlette.types import Message, Scope, Send
+from starlette.types import Message, Scope
 
-from serve.asgi import REQUEST_STATE_KEY
+from serve.asgi import REQUEST_STATE_KEY, ResponseChannel
 from serve.routes import GENERATION_ROUTES
 
 #: Routes with their own label value; everything else is ``other``.
@@ -21,19 +21,19 @@ def route_label(path: str) -> str:
 CLIENT_CLOSED = "499"
 
 
-def counting(scope: Scope, send: Send, responses: Counter) -> Send:
-    """``send`` that counts the response status once it starts (``499`` when the client had
-    already left: nobody received that answer) in ``responses`` (``route``, ``code`` labels).
-    Adds :data:`~serve.asgi.REQUEST_STATE_KEY` to ``scope``; its ``status`` is set once the
+def count_responses(scope: Scope, channel: ResponseChannel, responses: Counter) -> None:
+    """Count the response's status once it starts (``499`` when the client had already left:
+    nobody received that answer) in ``responses`` (``route``, ``code`` labels): a head hook
+    on ``channel``, so counting costs nothing per streamed token. Adds
+    :data:`~serve.asgi.REQUEST_STATE_KEY` to ``scope``; its ``status`` is set once the
     response has started."""
     route = route_label(scope.get("path", ""))
     state = scope.setdefault(REQUEST_STATE_KEY, {})
 
-    async def _send(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            code = CLIENT_CLOSED if state.get("client_left") else str(message["status"])
-            state["status"] = message["status"]
-            responses.labels(route=route, code=code).inc()
-        await send(message)
+    def count(message: Message) -> Message:
+        code = CLIENT_CLOSED if state.get("client_left") else str(message["status"])
+        state["status"] = message["status"]
+        responses.labels(route=route, code=code).inc()
+        return message
 
-    return _send
+    channel.on_head(count)

@@ -28,8 +28,10 @@ from serve.asgi import (
     PROMPT_TOKENS_SCOPE_KEY,
     REQUEST_STATE_KEY,
     ClientGone,
+    ResponseChannel,
     read_body,
     replay,
+    response_channel,
 )
 from serve.errors import ENGINE_LOST, RETRY_AFTER_S, error_body, openai_error
 from serve.metrics import Metrics
@@ -55,7 +57,7 @@ class ResponseTracker:
     sse: SseDialect = CHAT_SSE
     #: The server ended the answer early (:meth:`cut`); what the app sends after is dropped.
     is_cut: bool = False
-    _client_send: Send | None = field(default=None, repr=False)
+    _channel: ResponseChannel | None = field(default=None, repr=False)
 
     def watch(self, receive: Receive, request_state: dict | None = None) -> Receive:
         """``receive`` that notes a client disconnect seen before the answer was sent in full
@@ -70,16 +72,18 @@ class ResponseTracker:
             return message
         return watched
 
-    def wrap(self, send: Send) -> Send:
-        """``send`` that records the answer as it goes to the client (until :meth:`cut`)."""
-        self._client_send = send
-
+    def attach(self, channel: ResponseChannel) -> ResponseChannel:
+        """Record the answer as it goes to the client (until :meth:`cut`): an observer on
+        ``channel`` (:class:`~serve.asgi.ResponseChannel`), which drops what the app sends
+        after a cut. Returns ``channel``."""
+        self._channel = channel
         sse, times, clock = self.sse, self.chunk_times, self.clock
+        every_event_carries_tokens = not sse.tokens
 
-        async def tracked(message: Message) -> None:
-            # Runs for every streamed token: locals, and one substring search per test.
+        def tracked(message: Message) -> bool:
+            # Runs for every streamed token: locals, and at most two byte tests.
             if self.is_cut:
-                return
+                return True
             if message["type"] == "http.response.body":
                 chunk = message.get("body", b"")
                 if chunk:
@@ -88,7 +92,7 @@ class ResponseTracker:
                         if len(self.body) < 1 << 20:
                             self.body.extend(chunk)
                     else:
-                        if sse.carries_tokens(chunk):
+                        if every_event_carries_tokens or sse.carries_tokens(chunk):
                             times.append(clock())
                         if not self.done_marker:
                             self.done_marker = sse.has_done(chunk)
@@ -97,8 +101,10 @@ class ResponseTracker:
             elif message["type"] == "http.response.start":
                 self.status = message["status"]
                 self.streaming = is_event_stream(message)
-            await send(message)
-        return tracked
+            return False
+
+        channel.observe(tracked)
+        return channel
 
     @property
     def completed(self) -> bool:
@@ -112,10 +118,10 @@ class ResponseTracker:
         """End the answer now (the server drains or lost its engine): one error event of the
         dialect (a started stream), a 503 with ``Retry-After`` (not started), or the end of
         the body (a started non-streamed answer). The request is not counted as finished."""
-        if self.finished or self.is_cut or self._client_send is None:
+        if self.finished or self.is_cut or self._channel is None:
             return
         self.is_cut = True
-        send = self._client_send
+        send = self._channel.emit
         if self.status is None:
             body = json.dumps(error_body(503, message, "service_unavailable")).encode()
             await send({"type": "http.response.start", "status": 503, "headers": [
@@ -227,7 +233,7 @@ class AdmissionMiddleware:
         try:
             await self.app(scope, tracker.watch(replay(body, receive),
                                                 scope.get(REQUEST_STATE_KEY)),
-                           tracker.wrap(send))
+                           tracker.attach(response_channel(send)))
         finally:
             self.open.discard(tracker)
             completed = tracker.completed

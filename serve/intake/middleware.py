@@ -20,14 +20,16 @@ import json
 import logging
 import secrets
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.asgi import (
     IMAGES_SCOPE_KEY,
     PROMPT_TOKENS_SCOPE_KEY,
     ClientGone,
+    ResponseChannel,
     read_body,
     replay,
+    response_channel,
     with_content_length,
 )
 from serve.intake.budget import PromptBudget
@@ -95,13 +97,16 @@ class IntakeMiddleware:
             scope, header_id = unique_request_id_header(scope)
             body, images, request_id, tokens = await self.process(raw, protocol, header_id)
         except IntakeError as err:
+            channel = response_channel(send)
             if header_id is not None:
-                send = echo_request_id(send, header_id)
-            await err.response()(scope, receive, send)
+                echo_request_id(channel, header_id)
+            await err.response()(scope, receive, channel)
             return
         scope = {**with_content_length(scope, len(body)), IMAGES_SCOPE_KEY: images,
                  PROMPT_TOKENS_SCOPE_KEY: tokens}
-        await self.app(scope, replay(body, receive), echo_request_id(send, request_id))
+        channel = response_channel(send)
+        echo_request_id(channel, request_id)
+        await self.app(scope, replay(body, receive), channel)
 
     async def process(self, raw: bytes, protocol: str = CHAT,
                       header_id: str | None = None) -> tuple[bytes, int, str, int]:
@@ -261,14 +266,11 @@ def new_request_id(prefix: str = "") -> str:
     return f"{prefix}{secrets.token_hex(8)}"
 
 
-def echo_request_id(send: Send, request_id: str) -> Send:
-    """``send`` that adds ``X-Request-Id: <request_id>`` to the response head, so a client
-    finds the unique id its request ran under."""
-    async def _send(message) -> None:
-        if message["type"] == "http.response.start":
-            headers = [(k, v) for k, v in message.get("headers") or []
-                       if k.lower() != REQUEST_ID_HEADER]
-            message = {**message, "headers": [*headers, (REQUEST_ID_HEADER,
-                                                         request_id.encode())]}
-        await send(message)
-    return _send
+def echo_request_id(channel: ResponseChannel, request_id: str) -> None:
+    """Add ``X-Request-Id: <request_id>`` to the response head (a head hook on ``channel``),
+    so a client finds the unique id its request ran under."""
+    def echo(message: Message) -> Message:
+        headers = [(k, v) for k, v in message.get("headers") or []
+                   if k.lower() != REQUEST_ID_HEADER]
+        return {**message, "headers": [*headers, (REQUEST_ID_HEADER, request_id.encode())]}
+    channel.on_head(echo)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from serve.admission.middleware import ResponseTracker
+from serve.asgi import ResponseChannel
 from serve.intake.errors import IntakeError
 from serve.intake.request import (
     MAX_REQUEST_ID_CHARS,
@@ -128,7 +129,7 @@ def test_tracker_times_responses_tokens_and_sees_their_end():
         sent.append(message)
 
     async def play():
-        wrapped = tracker.wrap(send)
+        wrapped = tracker.attach(ResponseChannel(send))
         await wrapped({"type": "http.response.start", "status": 200,
                        "headers": [(b"content-type", b"text/event-stream")]})
         for t, chunk in ((0.1, event("response.created", 0)),
