@@ -43,6 +43,19 @@ def test_last_line_and_targets():
     assert compare.noise_line(compare.summarize(m)) is None  # no A/A control in this run
 
 
+def test_itl_p99_is_the_pooled_p99_of_the_repeats():
+    """W5's ratio is the p99 of every repeat's token gaps pooled, not a median of per-repeat
+    p99 ratios (a repeat's p99 is its few largest gaps)."""
+    m = {"ours": side(10.0, 100.0, 0.3), "raw": side(10.0, 100.0, 0.6),
+         "sequential": {"w1": {k: {"16": cell(1.0, 50.0)} for k in compare.W1_PLAN}}}
+    m["ours"]["w5_itls_s"] = [0.01] * 196 + [0.2, 0.2, 0.02, 0.02]
+    m["raw"]["w5_itls_s"] = [0.01] * 196 + [0.02, 0.02, 0.2, 0.2]
+    m["ours"]["w5_p99_by_repeat_s"], m["raw"]["w5_p99_by_repeat_s"] = [0.2, 0.02], [0.02, 0.2]
+    assert compare.summarize(m)["ratios"]["itl_p99"] == 1.0
+    m["ours"]["w5_itls_s"][-2:] = [0.2, 0.2]  # ours stalls twice as often
+    assert compare.summarize(m)["ratios"]["itl_p99"] == 10.0
+
+
 def test_a_a_control_and_paired_burst():
     raw = side(10.0, 100.0, 0.6)
     m = {"ours": side(10.0, 100.0, 0.3), "raw": raw,
