@@ -25,9 +25,10 @@ class ResponseChannel:
     front of the server's ``send`` however many layers watch or change the response.
 
     A layer that wrapped ``send`` added a coroutine call to every message, and a streamed
-    answer is one message per token: four such layers cost ~1.5 us of the ~3 us per token that
-    our layers added on the CPU machine (``python -m bench.layers``), on the event loop that
-    streams every answer. A layer now registers plain functions instead:
+    answer is one message per token: ~0.13 us per layer and token on the CPU machine
+    (micro-benchmark), besides the layer's own work, on the event loop that streams every
+    answer, where the layers' ~3 us per token (``python -m bench.layers``) become ~5x that
+    beside the engine's threads (``README.md``). A layer now registers plain functions instead:
 
     - :meth:`on_head`: ``hook(message) -> message``, applied to ``http.response.start``
       (response headers, status accounting), in registration order;
