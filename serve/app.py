@@ -232,7 +232,7 @@ class Gateway:
         event loop stalled every running stream for as long, at every scrape."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        registry = self._scrape_registry or _registry()
+        registry = self._scrape_registry if self._scrape_registry is not None else _registry()
         return Response(await asyncio.to_thread(generate_latest, registry),
                         media_type=CONTENT_TYPE_LATEST)
 

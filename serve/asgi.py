@@ -57,17 +57,19 @@ class ResponseChannel:
         for observer in self._observers:
             if observer(message):
                 return
-        if message["type"] == "http.response.start":
-            for hook in self._head_hooks:
-                message = hook(message)
-        await self._send(message)
+        await self._send(self._headed(message))
 
     async def emit(self, message: Message) -> None:
         """Send a layer's own message (the observers do not see it)."""
+        await self._send(self._headed(message))
+
+    def _headed(self, message: Message) -> Message:
+        """``message`` after the head hooks when it starts the response (a plain call, not a
+        coroutine: it runs on every streamed token)."""
         if message["type"] == "http.response.start":
             for hook in self._head_hooks:
                 message = hook(message)
-        await self._send(message)
+        return message
 
 
 def response_channel(send: Send) -> ResponseChannel:

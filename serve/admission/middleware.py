@@ -78,7 +78,6 @@ class ResponseTracker:
         after a cut. Returns ``channel``."""
         self._channel = channel
         sse, times, clock = self.sse, self.chunk_times, self.clock
-        every_event_carries_tokens = not sse.tokens
 
         def tracked(message: Message) -> bool:
             # Runs for every streamed token: locals, and at most two byte tests.
@@ -92,7 +91,7 @@ class ResponseTracker:
                         if len(self.body) < 1 << 20:
                             self.body.extend(chunk)
                     else:
-                        if every_event_carries_tokens or sse.carries_tokens(chunk):
+                        if sse.carries_tokens(chunk):
                             times.append(clock())
                         if not self.done_marker:
                             self.done_marker = sse.has_done(chunk)

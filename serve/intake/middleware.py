@@ -93,18 +93,17 @@ class IntakeMiddleware:
         except ClientGone:
             return
         header_id = None
+        channel = response_channel(send)
         try:
             scope, header_id = unique_request_id_header(scope)
             body, images, request_id, tokens = await self.process(raw, protocol, header_id)
         except IntakeError as err:
-            channel = response_channel(send)
             if header_id is not None:
                 echo_request_id(channel, header_id)
             await err.response()(scope, receive, channel)
             return
         scope = {**with_content_length(scope, len(body)), IMAGES_SCOPE_KEY: images,
                  PROMPT_TOKENS_SCOPE_KEY: tokens}
-        channel = response_channel(send)
         echo_request_id(channel, request_id)
         await self.app(scope, replay(body, receive), channel)
 
