@@ -5,6 +5,7 @@ scope keys the layers share, and the one ``send`` wrapper of a response
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -20,6 +21,17 @@ PROMPT_TOKENS_SCOPE_KEY = "phi3v.prompt_tokens"
 REQUEST_STATE_KEY = "phi3v.request"
 
 
+class Gate(Protocol):
+    """What :meth:`ResponseChannel.gate` takes: a filter in front of a response's observers."""
+
+    def passes(self, message: Message) -> bool:
+        """Whether ``message`` goes on as it is (a plain call, run on every message)."""
+
+    async def handle(self, message: Message) -> None:
+        """Deal with a message :meth:`passes` held back, sending what it decides through
+        :meth:`ResponseChannel.deliver`."""
+
+
 class ResponseChannel:
     """The ``send`` of one HTTP response, shared by every request layer: one wrapper in
     front of the server's ``send`` however many layers watch or change the response.
@@ -30,22 +42,27 @@ class ResponseChannel:
     answer, where the layers' ~3 us per token (``python -m bench.layers``) become ~5x that
     beside the engine's threads (``README.md``). A layer now registers plain functions instead:
 
+    - :meth:`gate`: one filter that sees each message the app sends first; a plain
+      ``passes(message)`` lets it on, else ``await handle(message)`` decides what goes on (the
+      stream guard: a token chunk passes, the end and errors are handled);
+    - :meth:`observe`: ``observer(message) -> bool`` sees every message that passes the gate
+      or that the gate delivers (start and body), before the head hooks; True drops the
+      message (an answer the server has already ended);
     - :meth:`on_head`: ``hook(message) -> message``, applied to ``http.response.start``
-      (response headers, status accounting), in registration order;
-    - :meth:`observe`: ``observer(message) -> bool`` sees every message the app sends (start
-      and body), before the head hooks; True drops the message (an answer the server has
-      already ended).
+      (response headers, status accounting), in registration order.
 
-    :meth:`emit` sends a layer's own message past the observers (the head hooks still apply).
-    Get it with :func:`response_channel`.
+    A streamed token thus costs one coroutine call (this one) and plain calls. :meth:`emit`
+    sends a layer's own message past the gate and the observers (the head hooks still
+    apply). Get a channel with :func:`response_channel`.
     """
 
-    __slots__ = ("_send", "_head_hooks", "_observers")
+    __slots__ = ("_send", "_head_hooks", "_observers", "_gate")
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self._head_hooks: list[Callable[[Message], Message]] = []
         self._observers: list[Callable[[Message], bool]] = []
+        self._gate: Gate | None = None
 
     def on_head(self, hook: Callable[[Message], Message]) -> None:
         self._head_hooks.append(hook)
@@ -53,22 +70,47 @@ class ResponseChannel:
     def observe(self, observer: Callable[[Message], bool]) -> None:
         self._observers.append(observer)
 
+    def gate(self, gate: Gate) -> None:
+        """Put ``gate`` in front of the observers.
+
+        Raises:
+            ValueError: the channel has a gate already (one filter decides per response).
+        """
+        if self._gate is not None:
+            raise ValueError("this response already has a gate")
+        self._gate = gate
+
     async def __call__(self, message: Message) -> None:
+        gate = self._gate
+        if gate is not None and not gate.passes(message):
+            await gate.handle(message)
+            return
+        # deliver(), inlined: this runs on every streamed token.
         for observer in self._observers:
             if observer(message):
                 return
-        await self._send(self._headed(message))
+        if message["type"] == "http.response.start":
+            message = self._headed(message)
+        await self._send(message)
+
+    async def deliver(self, message: Message) -> None:
+        """Send ``message`` past the gate: the observers see it, then the head hooks apply
+        (what a gate sends on)."""
+        for observer in self._observers:
+            if observer(message):
+                return
+        await self.emit(message)
 
     async def emit(self, message: Message) -> None:
-        """Send a layer's own message (the observers do not see it)."""
-        await self._send(self._headed(message))
+        """Send a layer's own message (the gate and the observers do not see it)."""
+        if message["type"] == "http.response.start":
+            message = self._headed(message)
+        await self._send(message)
 
     def _headed(self, message: Message) -> Message:
-        """``message`` after the head hooks when it starts the response (a plain call, not a
-        coroutine: it runs on every streamed token)."""
-        if message["type"] == "http.response.start":
-            for hook in self._head_hooks:
-                message = hook(message)
+        """``message`` (an ``http.response.start``) after the head hooks."""
+        for hook in self._head_hooks:
+            message = hook(message)
         return message
 
 

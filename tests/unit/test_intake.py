@@ -340,6 +340,22 @@ async def test_guard_hot_path_forwards_vllm_messages_as_sent():
     assert not any(map(ordinary_chunk, (abort, token + abort, token[:-1], b"data: [DONE]\n\n",
                                         token + b"data: [DONE]\n\n",
                                         b'data: {"error":{"message":"x"}}\n\n')))
+    # vLLM 0.32's own events (captured from the tiny model): a token event is told by its
+    # end alone, unless merged behind another event or an empty delta.
+    head = b'data: {"id":"chatcmpl-3","object":"chat.completion.chunk","created":1,"model":"m",'
+    real = head + (b'"choices":[{"index":0,"delta":{"content":"l~"},"logprobs":null,'
+                   b'"finish_reason":null,"token_ids":null}]}\n\n')
+    empty = real.replace(b'"l~"', b'""')
+    quoted = real.replace(b'"l~"', b'"say \\"hi\\":\\""')  # text ending in a quote
+    completion = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
+                  b'"choices":[{"index":0,"text":"avV","logprobs":null,"finish_reason":null,'
+                  b'"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}\n\n')
+    real_abort = real.replace(b'"finish_reason":null', b'"finish_reason":"abort"')
+    assert all(map(ordinary_chunk, (real, quoted, completion, real + real)))
+    assert not any(map(ordinary_chunk, (empty, real_abort, real_abort + real, abort + real,
+                                        b'data: {"error":{"message":"x"}}\n\n' + real)))
+    events = await run_guard([real, empty, real_abort + real, b"data: [DONE]\n\n"])
+    assert events[0] == real[:-2].decode() and len(events) == 2 and "abort" in events[1]
     message = {"type": "http.response.body", "body": token, "more_body": True}
     sent = []
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from serve.admission.goodput import SloTargets
@@ -210,3 +211,46 @@ async def test_a_cut_stream_gets_one_error_event_and_is_not_counted_finished():
     assert status == 200 and events[-1].startswith('data: {"error"') and len(events) == 2
     assert "[DONE]" not in body.decode()
     assert counts(metrics) == (1, 0, 0, 0) and not app.open
+
+
+async def test_the_tracker_sees_what_the_guard_lets_through_on_one_channel():
+    """Admission's tracker in front of the stream guard, both on the response's one channel
+    (the guard its gate): vLLM's token events pass as sent and are timed, an empty delta is
+    dropped before the tracker times it, an abort becomes the guard's one error event, and
+    the tracker, seeing that event instead of ``[DONE]``, counts no finished request."""
+    from serve.asgi import ResponseChannel
+    from serve.streamguard import StreamGuardMiddleware
+
+    head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+
+    def event(content: bytes, finish: bytes = b"null") -> bytes:
+        return head + (b'"choices":[{"index":0,"delta":{"content":' + content
+                       + b'},"logprobs":null,"finish_reason":' + finish
+                       + b',"token_ids":null}]}\n\n')
+
+    def peer(tail: list[bytes]):
+        async def app(scope, receive, send):
+            await receive()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            for body in [event(b'"a"'), event(b'""'), event(b'"b"'), *tail]:
+                clock.now += 0.05
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return app
+
+    for tail, finished in (([b"data: [DONE]\n\n"], 1), ([event(b'"c"', b'"abort"')], 0)):
+        clock = Clock()
+        app, metrics = admission(StreamGuardMiddleware(peer(tail)), clock)
+        status, body, headers = await call(app)
+        events = [e for e in body.split(b"\n\n") if e]
+        assert status == 200 and headers[b"x-accel-buffering"] == b"no"
+        assert events[:2] == [event(b'"a"')[:-2], event(b'"b"')[:-2]] and len(events) == 3
+        assert events[2] == b"data: [DONE]" if finished else b'"error"' in events[2]
+        assert counts(metrics)[:2] == (1, finished)
+        if finished:  # TTFT from the first token event (sent 0.05 s after arrival)
+            assert abs(metrics.ttft._sum.get() - 0.05) < 1e-9
+    channel = ResponseChannel(None)
+    channel.gate(object())
+    with pytest.raises(ValueError):
+        channel.gate(object())
