@@ -77,6 +77,14 @@ class Server(ManagedServer):
 
 
 
+def vllm_token_event(content: bytes, finish: bytes = b"null") -> bytes:
+    """A chat token event as vLLM 0.32 writes it (captured from the tiny model): compact JSON,
+    one choice; ``content`` and ``finish`` are JSON literals (``b'"hi"'``, ``b'"abort"'``)."""
+    return (b'data: {"id":"chatcmpl-3","object":"chat.completion.chunk","created":1,"model":"m",'
+            b'"choices":[{"index":0,"delta":{"content":' + content + b'},"logprobs":null,'
+            b'"finish_reason":' + finish + b',"token_ids":null}]}\n\n')
+
+
 def start_server(extra_args: list[str] | None = None, env: dict[str, str] | None = None,
                  name: str = "server") -> Server:
     """Start the API on the tiny model on a free port and wait until ``/ready`` answers 200

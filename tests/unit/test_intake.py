@@ -17,7 +17,7 @@ from serve.intake.images import ImagePolicy, data_url_payload, decode_base64, pr
 from serve.intake.request import RequestLimits, parse_chat_request
 from serve.intake.urls import UrlPolicy, check_url, is_public
 from serve.streamguard import StreamGuardMiddleware
-from tests.helpers import IMAGES
+from tests.helpers import IMAGES, vllm_token_event
 
 POLICY = ImagePolicy(10 * 2**20, 40_000_000, frozenset({"PNG", "JPEG", "GIF", "WEBP"}))
 LIMITS = RequestLimits(max_images=2, max_n=1, max_num_crops=16)
@@ -342,15 +342,12 @@ async def test_guard_hot_path_forwards_vllm_messages_as_sent():
                                         b'data: {"error":{"message":"x"}}\n\n')))
     # vLLM 0.32's own events (captured from the tiny model): a token event is told by its
     # end alone, unless merged behind another event or an empty delta.
-    head = b'data: {"id":"chatcmpl-3","object":"chat.completion.chunk","created":1,"model":"m",'
-    real = head + (b'"choices":[{"index":0,"delta":{"content":"l~"},"logprobs":null,'
-                   b'"finish_reason":null,"token_ids":null}]}\n\n')
-    empty = real.replace(b'"l~"', b'""')
-    quoted = real.replace(b'"l~"', b'"say \\"hi\\":\\""')  # text ending in a quote
+    real, empty = vllm_token_event(b'"l~"'), vllm_token_event(b'""')
+    quoted = vllm_token_event(b'"say \\"hi\\":\\""')  # text ending in a quote
     completion = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
                   b'"choices":[{"index":0,"text":"avV","logprobs":null,"finish_reason":null,'
                   b'"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}\n\n')
-    real_abort = real.replace(b'"finish_reason":null', b'"finish_reason":"abort"')
+    real_abort = vllm_token_event(b'"l~"', b'"abort"')
     assert all(map(ordinary_chunk, (real, quoted, completion, real + real)))
     assert not any(map(ordinary_chunk, (empty, real_abort, real_abort + real, abort + real,
                                         b'data: {"error":{"message":"x"}}\n\n' + real)))

@@ -220,33 +220,28 @@ async def test_the_tracker_sees_what_the_guard_lets_through_on_one_channel():
     the tracker, seeing that event instead of ``[DONE]``, counts no finished request."""
     from serve.asgi import ResponseChannel
     from serve.streamguard import StreamGuardMiddleware
-
-    head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
-
-    def event(content: bytes, finish: bytes = b"null") -> bytes:
-        return head + (b'"choices":[{"index":0,"delta":{"content":' + content
-                       + b'},"logprobs":null,"finish_reason":' + finish
-                       + b',"token_ids":null}]}\n\n')
+    from tests.helpers import vllm_token_event
 
     def peer(tail: list[bytes]):
         async def app(scope, receive, send):
             await receive()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
-            for body in [event(b'"a"'), event(b'""'), event(b'"b"'), *tail]:
+            for body in [*map(vllm_token_event, (b'"a"', b'""', b'"b"')), *tail]:
                 clock.now += 0.05
                 await send({"type": "http.response.body", "body": body, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return app
 
-    for tail, finished in (([b"data: [DONE]\n\n"], 1), ([event(b'"c"', b'"abort"')], 0)):
+    for tail, finished in (([b"data: [DONE]\n\n"], 1), ([vllm_token_event(b'"c"', b'"abort"')], 0)):
         clock = Clock()
         app, metrics = admission(StreamGuardMiddleware(peer(tail)), clock)
         status, body, headers = await call(app)
         events = [e for e in body.split(b"\n\n") if e]
         assert status == 200 and headers[b"x-accel-buffering"] == b"no"
-        assert events[:2] == [event(b'"a"')[:-2], event(b'"b"')[:-2]] and len(events) == 3
-        assert events[2] == b"data: [DONE]" if finished else b'"error"' in events[2]
+        assert len(events) == 3
+        assert events[:2] == [vllm_token_event(b'"a"')[:-2], vllm_token_event(b'"b"')[:-2]]
+        assert (events[2] == b"data: [DONE]") if finished else (b'"error"' in events[2])
         assert counts(metrics)[:2] == (1, finished)
         if finished:  # TTFT from the first token event (sent 0.05 s after arrival)
             assert abs(metrics.ttft._sum.get() - 0.05) < 1e-9
