@@ -409,11 +409,9 @@ class SimGate:
         if len(self.queue) >= self.max_queue:
             self.on_drop(result, QUEUE_FULL)
             return
-        if self.shed_ttft_s is not None:
-            wait = self.slots.expected_wait_s(len(self.queue))
-            if wait is not None and wait > self.shed_ttft_s:
-                self.on_drop(result, SLO_REJECT)
-                return
+        if self.slots.slo_wait_s(len(self.queue), self.shed_ttft_s) is not None:
+            self.on_drop(result, SLO_REJECT)
+            return
         self.queue.append(result)
 
     def expire(self) -> None:

@@ -40,7 +40,9 @@ class Admission:
         limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s,
                                    ceiling=s.max_num_seqs, engine_queue=s.engine_queue,
                                    engine_queue_wait_s=s.slo_ttft_s,
-                                   burst_window_s=s.slo_ttft_s)
+                                   # A burst is what arrives within one autotune
+                                   # tick (Controller.step) or within its TTFT target.
+                                   burst_window_s=max(s.slo_ttft_s, s.autotune_interval_s))
         feed = EngineStatsFeed(window_s=s.autotune_window_s)
         loop = AutotuneLoop(Controller(config, s.admission_limit), limiter, feed,
                             mode=s.autotune, interval_s=s.autotune_interval_s, metrics=metrics)

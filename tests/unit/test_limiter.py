@@ -85,6 +85,7 @@ async def test_slo_shedding_uses_completion_rate():
     clock.t += 20.0  # idle time does not dilute the service rate of a busy server
     assert lim.completion_rate() == pytest.approx(1.0, rel=0.01)
     held = await lim.acquire()
+    clock.t += 2.5  # busy past the window of the burst it opened: sustained traffic
     queued = [asyncio.create_task(lim.acquire()) for _ in range(3)]
     await asyncio.sleep(0)
     # 4th in line: expected wait (3+1)/1 = 4 s > 2 s target -> shed.
@@ -232,13 +233,15 @@ async def test_engine_queue_holds_what_meets_the_ttft_target():
     shedding counts the engine-queued ones ahead of them."""
     clock = FakeClock()
     lim = AdmissionLimiter(limit=4, max_queue=100, max_queue_wait_s=60, clock=clock,
-                           ceiling=4, engine_queue=32, engine_queue_wait_s=1.5)
+                           ceiling=4, engine_queue=32, engine_queue_wait_s=1.5,
+                           burst_window_s=0.1)
     assert lim.capacity == 36  # no rate yet: the whole engine queue
     await serve_one_by_one(lim, clock, 3, 0.5)  # a drain rate of 2 requests/s of busy time
     assert lim.completion_rate() == pytest.approx(2.0, rel=0.01)
     assert lim.capacity == 4 + 3  # floor(2/s x 1.5 s) engine-queued
     slots = [await asyncio.wait_for(lim.acquire(), 1) for _ in range(7)]
     assert lim.in_flight == 7 and lim.slots.ahead() == 3
+    clock.t += 0.2  # busy past the window of the burst they opened: sustained traffic
     # The next one queues at the gateway; its batch slot comes after the 3 engine-queued:
     # (3 + 0 + 1) / 2 = 2 s.
     assert lim.expected_wait_s(0) == pytest.approx(2.0, rel=0.01)
@@ -356,3 +359,69 @@ async def test_without_a_budget_or_a_size_admission_is_by_count():
     assert lim.slots.admits(100)  # a known size fits the burst's budget
     for s in held:
         s.release()
+
+
+async def test_a_burst_at_an_idle_server_is_queued_not_shed():
+    """The requests of a burst that reaches an idle limiter and that the limit holds back
+    wait for its first wave (as plain vLLM's waiting queue keeps them), whatever the drain
+    rate measured before says; once the counter has been busy past the burst's window,
+    the same expected wait sheds (reason ``slo``)."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=2, max_queue=100, max_queue_wait_s=60, clock=clock,
+                           ceiling=8, burst_window_s=2.0)
+    await serve_one_by_one(lim, clock, 4, 1.0)  # a drain rate of 1 request/s
+    clock.t += 10.0  # idle
+    first = [await asyncio.wait_for(lim.acquire(ttft_target_s=0.5), 1) for _ in range(2)]
+    assert lim.expected_wait_s(0) == pytest.approx(1.0, rel=0.01)  # > the 0.5-s target
+    clock.t += 1.0  # still within the burst's 2-s window
+    rest = [asyncio.create_task(lim.acquire(ttft_target_s=0.5)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert lim.pending == 3 and not any(t.done() for t in rest)
+    clock.t += 1.5  # the window is over: the counter is busy with sustained traffic
+    with pytest.raises(Rejected) as exc:
+        await lim.acquire(ttft_target_s=0.5)
+    assert exc.value.reason == SLO
+    first[0].release()
+    first[1].release()
+    slots = [await asyncio.wait_for(t, 1) for t in rest[:2]]
+    slots[0].release()
+    slots.append(await asyncio.wait_for(rest[2], 1))
+    for s in slots[1:]:
+        s.release()
+    assert lim.in_flight == 0 and lim.pending == 0
+
+
+async def test_a_burst_spread_out_by_its_intake_stays_one_burst():
+    """A burst's requests that reach the gateway one by one, each within the window of the
+    one before (its intake spreads them out), go in past the limit by the budget however
+    long they take in all; a request of unknown size does not extend the window, and once
+    the budget held one back the window runs out from the last one it admitted."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=1, max_queue=100, max_queue_wait_s=60, clock=clock,
+                           ceiling=8, burst_window_s=0.5)
+    lim.set_burst_budget(200)
+    slots = [await asyncio.wait_for(lim.acquire(tokens=40), 1)]
+    for _ in range(3):  # 0.4 s apart: 1.2 s in all, past a window from the first
+        clock.t += 0.4
+        slots.append(await asyncio.wait_for(lim.acquire(tokens=40), 1))
+    assert lim.in_flight == 4 and lim.slots.burst_admitted == (160, 4)
+    late = asyncio.create_task(lim.acquire(tokens=60))  # 220 > 200: held back, queued
+    await asyncio.sleep(0)
+    assert lim.pending == 1
+    clock.t += 0.4
+    assert lim.slots.burst_admitted == (160, 4)  # the window runs from the last admitted
+    clock.t += 0.2
+    assert lim.slots.burst_admitted is None and lim.limit == 1
+    for s in slots:
+        s.release()
+    (await asyncio.wait_for(late, 1)).release()
+    # Unknown sizes (0) are admitted by count and do not keep a burst open.
+    lim.set_limit(2)
+    first = await lim.acquire(tokens=40)
+    clock.t += 0.4
+    unknown = await asyncio.wait_for(lim.acquire(), 1)  # by count: 2 in flight
+    clock.t += 0.2
+    assert lim.slots.burst_admitted is None  # 0.6 s after the last sized one
+    first.release()
+    unknown.release()
+    assert lim.in_flight == 0
