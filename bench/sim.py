@@ -51,6 +51,7 @@ from serve.admission.limiter import (
     SlotCounter,
 )
 from serve.admission.limiter import SLO as SLO_REJECT
+from serve.admission.limiter import burst_window_s as burst_window
 from serve.admission.loop import AutotuneLoop
 from serve.settings import Settings
 
@@ -425,7 +426,7 @@ class SimGate:
         while self.queue and self.slots.admits(self.queue[0].request.prompt_tokens):
             result = self.queue.popleft()
             self.on_admit(result, self.slots.take(result.arrival_s,
-                                                  result.request.prompt_tokens))
+                                                  result.request.prompt_tokens, queued=True))
 
 
 class _NoGpu:
@@ -484,7 +485,8 @@ class Simulation:
                             setup.slo.ttft_s if setup.slo_shedding and not unlimited
                             else None, self._admit, self._drop,
                             ceiling=None if unlimited else engine.max_num_seqs,
-                            engine_queue=setup.engine_queue, burst_window_s=setup.slo.ttft_s)
+                            engine_queue=setup.engine_queue,
+                            burst_window_s=burst_window(setup.slo.ttft_s, setup.interval_s))
         self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock)
         config = replace(setup.controller, ceiling=engine.max_num_seqs,
                          min_seqs=min(setup.controller.min_seqs, engine.max_num_seqs))

@@ -90,14 +90,24 @@ class _Burst:
     opened_s: float
     #: The limit when it opened.
     limit: int
-    #: Clock time of its last admission before the budget held one back, seconds: the
-    #: window runs from there (:meth:`SlotCounter.admits`).
+    #: Clock time of its last admission of known size, while a budget was set, before one
+    #: of it had to wait, seconds: the window runs from there (:meth:`SlotCounter.admits`).
     last_s: float = float("-inf")
+    #: One of its requests had to wait (the limit, the cap or the budget held it back).
+    waited: bool = False
     #: Prompt tokens and requests of known size admitted so far.
     tokens: int = 0
     requests: int = 0
     #: The budget held a request back (the rest of the burst is late).
     held: bool = False
+
+
+def burst_window_s(ttft_target_s: float, interval_s: float) -> float:
+    """Seconds a burst's window lasts (:class:`SlotCounter` ``burst_window_s``): the TTFT
+    target (its prefill budget is what the engine prefills within it), or the autotuner's
+    tick when that is longer (the controller's burst is what arrives within one tick,
+    :meth:`~serve.admission.controller.Controller.step`)."""
+    return max(ttft_target_s, interval_s)
 
 
 @dataclass(frozen=True)
@@ -138,11 +148,9 @@ class SlotCounter:
         on_free: called (no arguments) whenever room may have appeared: a slot released,
             the limit raised or the burst budget changed (the queueing half admits its next
             waiters then).
-        burst_window_s: seconds a burst's prefill budget applies after it reached an idle
-            counter, and in which its requests are not shed (:meth:`admits`,
-            :meth:`slo_wait_s`): the TTFT target, or the autotuner's tick when longer (the
-            controller's burst is what arrives within a tick; on a loaded machine the 8
-            requests of a burst sent at once reached the gateway over more than 0.25 s).
+        burst_window_s: seconds a burst's prefill budget applies after its last request
+            admitted on arrival, and in which its requests are not shed (:meth:`admits`,
+            :meth:`slo_wait_s`; :func:`burst_window_s`).
 
     Raises:
         ValueError: ``limit`` < 1.
@@ -219,9 +227,11 @@ class SlotCounter:
 
         By count (:meth:`has_room`), and during a **burst** also past the limit: requests
         that reach an idle counter while a :attr:`burst_budget` is set, each within
-        :attr:`burst_window_s` of the one admitted before it by its budget's count (until
-        the budget holds one back, the window runs on from the last of them; without a
-        budget, or for a request of unknown size, from the first; a burst sent at once reaches
+        :attr:`burst_window_s` of the last one of known size admitted before it (until one
+        of it has to wait, held back by the limit, the cap or the budget, the window runs
+        on from the last of them; without a budget, or for a request of unknown size, from
+        the first: sustained traffic, which queues, never keeps a burst open, nor does
+        traffic of unknown sizes; a burst sent at once reaches
         the gateway spread out by its intake, over more than a second on a loaded CI
         machine, where its first answers had finished before its last requests came). In
         the burst, a request the limit would queue is
@@ -248,6 +258,15 @@ class SlotCounter:
         within the target). Only the gateway knows each request's size before the engine.
         """
         burst = self._open_burst()
+        ok = self._admits(burst, tokens)
+        if not ok and burst is not None:
+            # The caller queues the request: the burst is full, its window no longer runs
+            # on (a state change: ask only for the request at the head of the queue).
+            burst.waited = True
+        return ok
+
+    def _admits(self, burst: "_Burst | None", tokens: int) -> bool:
+        """:meth:`admits` for the open ``burst`` (None: none)."""
         if burst is None or tokens <= 0 or self.burst_budget is None:
             return self.has_room()
         if self.has_room() and (not burst.held or self._in_flight < burst.limit):
@@ -301,20 +320,23 @@ class SlotCounter:
         self._limit = limit
         self._notify()
 
-    def take(self, arrived_at: float, tokens: int = 0) -> Slot:
+    def take(self, arrived_at: float, tokens: int = 0, queued: bool = False) -> Slot:
         """Admit one request of ``tokens`` prompt tokens that arrived at ``arrived_at``
         (clock seconds); the caller checked :meth:`admits` (or the limit was lowered
-        meanwhile: the slot is counted anyway). A request reaching an idle counter opens a
-        burst; its requests are counted even before a budget is known, for one measured on
-        the burst itself."""
+        meanwhile: the slot is counted anyway). ``queued``: it waited in the caller's queue.
+        A request that reaches an idle counter on arrival (not ``queued``) opens a burst; a
+        queued one that takes the slot the last release freed does not (at limit 1 each
+        completion leaves the counter empty for an instant, and a new burst there would
+        stop SLO shedding and let the queue in past the limit). A burst's requests are
+        counted even before a budget is known, for one measured on the burst itself."""
         now = self.clock()
-        if self._in_flight == 0:
+        if self._in_flight == 0 and not queued:
             self._burst = _Burst(now, self._limit)
         burst = self._open_burst()
         if burst is not None and tokens > 0:
             burst.tokens += tokens
             burst.requests += 1
-        if burst is not None and not burst.held and tokens > 0 \
+        if burst is not None and not burst.waited and tokens > 0 \
                 and self.burst_budget is not None:
             burst.last_s = now  # its budget counts it: the window runs on
         self._count(+1)
@@ -390,7 +412,8 @@ class SlotCounter:
         request is to be shed (reason ``slo``: it could not meet its TTFT target anyway);
         None: queue it.
 
-        Never while a **burst** that reached an idle counter is open (:meth:`admits`): the
+        Never while a **burst** that reached an idle counter is open (:meth:`admits`;
+        at most :attr:`burst_window_s` after one of it had to wait): the
         requests of a burst the limit or its prefill budget holds back wait for its first
         wave, as plain vLLM's waiting queue would keep them, instead of being refused by a
         drain rate measured on other traffic while the engine is busy with the burst itself
@@ -595,4 +618,4 @@ class AdmissionLimiter:
             if not self.slots.admits(tokens):
                 break
             waiters.popleft()
-            fut.set_result(self.slots.take(self._clock(), tokens))
+            fut.set_result(self.slots.take(self._clock(), tokens, queued=True))

@@ -9,7 +9,7 @@ from serve.admission.capacity import kv_safe_seqs, tokens_per_request
 from serve.admission.controller import Controller, ControllerConfig
 from serve.admission.engine_stats import EngineStatsFeed, stat_logger_factory
 from serve.admission.goodput import SloTargets
-from serve.admission.limiter import AdmissionLimiter
+from serve.admission.limiter import AdmissionLimiter, burst_window_s
 from serve.admission.loop import AutotuneLoop
 from serve.admission.middleware import AdmissionMiddleware
 from serve.metrics import Metrics
@@ -40,9 +40,8 @@ class Admission:
         limiter = AdmissionLimiter(s.admission_limit, s.max_queue, s.max_queue_wait_s,
                                    ceiling=s.max_num_seqs, engine_queue=s.engine_queue,
                                    engine_queue_wait_s=s.slo_ttft_s,
-                                   # A burst is what arrives within one autotune
-                                   # tick (Controller.step) or within its TTFT target.
-                                   burst_window_s=max(s.slo_ttft_s, s.autotune_interval_s))
+                                   burst_window_s=burst_window_s(
+                                       s.slo_ttft_s, s.autotune_interval_s))
         feed = EngineStatsFeed(window_s=s.autotune_window_s)
         loop = AutotuneLoop(Controller(config, s.admission_limit), limiter, feed,
                             mode=s.autotune, interval_s=s.autotune_interval_s, metrics=metrics)

@@ -425,3 +425,64 @@ async def test_a_burst_spread_out_by_its_intake_stays_one_burst():
     first.release()
     unknown.release()
     assert lim.in_flight == 0
+
+
+async def test_a_burst_that_fills_the_engine_stops_running_on():
+    """Held back by the ceiling (not the budget), a burst request waits and the burst's
+    window no longer runs on: sustained traffic at the ceiling, whose requests are admitted
+    from the queue one by one, is shed again once the window from the last arrival admitted
+    on its own ends."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=2, max_queue=100, max_queue_wait_s=60, clock=clock,
+                           ceiling=2, burst_window_s=0.5)
+    await serve_one_by_one(lim, clock, 4, 1.0)  # a drain rate of 1 request/s
+    clock.t += 10.0
+    lim.set_burst_budget(1000)
+    a, b = await lim.acquire(tokens=40), await lim.acquire(tokens=40)
+    clock.t += 0.4
+    c = asyncio.create_task(lim.acquire(ttft_target_s=0.5, tokens=40))  # the ceiling: waits
+    await asyncio.sleep(0)
+    assert lim.pending == 1  # queued, not shed: the burst is open
+    a.release()
+    c_slot = await asyncio.wait_for(c, 1)  # admitted from the queue: no run-on
+    clock.t += 0.2  # 0.6 s after the last request admitted on arrival
+    assert lim.slots.burst_admitted is None
+    with pytest.raises(Rejected) as exc:
+        await lim.acquire(ttft_target_s=0.5, tokens=40)
+    assert exc.value.reason == SLO
+    b.release()
+    c_slot.release()
+    assert lim.in_flight == 0
+
+
+async def test_a_queued_request_taking_the_last_freed_slot_opens_no_burst():
+    """At limit 1 every completion leaves the counter empty for an instant; the queued head
+    that takes the slot did not reach an idle server, so it opens no burst: sustained
+    overload stays shed, and the queue does not go in past the limit by a budget."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=1, max_queue=100, max_queue_wait_s=600, clock=clock,
+                           ceiling=8, burst_window_s=2.0)
+    await serve_one_by_one(lim, clock, 4, 1.0)  # a drain rate of 1 request/s
+    lim.set_burst_budget(1000)
+    held = await lim.acquire(tokens=40)
+    clock.t += 2.5  # busy past the window of the burst it opened
+    queued = [asyncio.create_task(lim.acquire(tokens=40)) for _ in range(3)]
+    await asyncio.sleep(0)
+    for _ in range(3):  # each completion hands the slot to the head of the queue
+        clock.t += 1.0
+        held.release()
+        assert lim.in_flight == 1 and lim.slots.burst_admitted is None
+        for _ in range(3):  # the granted waiter returns from acquire()
+            await asyncio.sleep(0)
+        held = next(t for t in queued if t.done()).result()
+        queued = [t for t in queued if not t.done()]
+        queued.append(asyncio.create_task(lim.acquire(tokens=40)))
+        await asyncio.sleep(0)
+    assert lim.pending == 3
+    with pytest.raises(Rejected) as exc:  # 4th in line: (3 + 1) / 1 s > 2 s
+        await lim.acquire(ttft_target_s=2.0, tokens=40)
+    assert exc.value.reason == SLO
+    held.release()
+    for t in queued:
+        (await asyncio.wait_for(t, 1)).release()
+    assert lim.in_flight == 0
