@@ -487,7 +487,8 @@ class Simulation:
                             ceiling=None if unlimited else engine.max_num_seqs,
                             engine_queue=setup.engine_queue,
                             burst_window_s=burst_window(setup.slo.ttft_s, setup.interval_s))
-        self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock)
+        self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock,
+                                    step_tokens=engine.max_num_batched_tokens)
         config = replace(setup.controller, ceiling=engine.max_num_seqs,
                          min_seqs=min(setup.controller.min_seqs, engine.max_num_seqs))
         if unlimited:

@@ -74,6 +74,33 @@ def test_small_burst_is_not_measured():
     assert feed.prefill_tokens_per_s is None
 
 
+def test_a_burst_smaller_than_one_step_only_raises_the_prefill_rate():
+    """Eight 60-token chats reach an idle engine after a burst of 4,000-token prompts
+    measured 8,000 tokens/s: their 480 tokens take one 4,096-token step, whose fixed cost
+    sets their TTFT (0.2 s: 2,400 tokens/s), so they do not lower the rate; a small burst
+    that comes faster raises it, and one that fills a step lowers it."""
+    clock = Clock()
+    feed = EngineStatsFeed(clock=clock, step_tokens=4096)
+    seen = []
+    feed.on_prefill_rate = seen.append
+
+    def burst(tokens_per_request: int, n: int, ttft_s: float) -> None:
+        feed.record(Sched(0, 0), None)  # idle
+        clock.t += ttft_s
+        feed.record(Sched(n, 0), Iter(tokens_per_request * n, [ttft_s] * n))
+        feed.record(Sched(0, 0), Iter(finished_requests=[Done(tokens_per_request, 2)] * n))
+        clock.t += 5
+
+    burst(4000, 8, 4.0)
+    assert feed.prefill_tokens_per_s == 8000 and seen == [8000]
+    burst(60, 8, 0.2)
+    assert feed.prefill_tokens_per_s == 8000 and seen == [8000]
+    burst(60, 8, 0.04)  # 12,000 tokens/s: a lower bound above the known rate
+    assert feed.prefill_tokens_per_s == 12000 and seen == [8000, 12000]
+    burst(1000, 8, 2.0)  # 8,000 tokens fill a step: the engine's throughput, lower
+    assert feed.prefill_tokens_per_s == 4000 and seen == [8000, 12000, 4000]
+
+
 def test_prefill_rate_expires():
     from serve.admission.engine_stats import PREFILL_RATE_TTL_S
 
