@@ -367,12 +367,24 @@ class Controller:
     def _cut_factor(self, reason: str, s: Signals) -> float:
         """How much to keep on a cut: ``decrease_factor``, or less when a latency is far over
         its target: ``target / measured`` (Netflix Gradient2's ratio; latency grows at
-        least linearly with the batch past saturation), never below :data:`MIN_CUT_FACTOR`."""
+        least linearly with the batch past saturation), never below :data:`MIN_CUT_FACTOR`.
+
+        On the inter-token target, once the requests' TPOT line is known (:meth:`itl_fit`),
+        the cut goes to that fit instead, between ``decrease_factor`` and
+        :data:`MIN_CUT_FACTOR`: the line is the batch's own share of the TPOT, where the
+        ratio also charges the batch with the stalls of prefills and image encodes, which
+        a smaller batch does not remove (the CPU suite's T6, chat at 2x capacity: cuts
+        18 -> 9 and 16 -> 13 on the ratio, demand probes straight back to 17-19, where a
+        fixed 16 got twice auto's good requests)."""
         c = self.config
         measured, target = {"slo_ttft": (s.ttft_p90_s, c.ttft_target_s),
                             "slo_itl": (s.itl_p90_s, c.itl_target_s)}.get(reason, (None, None))
         if not measured:
             return c.decrease_factor
+        if reason == "slo_itl" and self.limit > 0:
+            fit = self.itl_fit(s)
+            if fit is not None:
+                return max(MIN_CUT_FACTOR, min(c.decrease_factor, fit / self.limit))
         return max(MIN_CUT_FACTOR, min(c.decrease_factor, target / measured))
 
     def itl_fit(self, s: Signals) -> int | None:

@@ -372,3 +372,26 @@ def test_after_a_cut_the_next_probe_waits_for_a_ttft_at_the_new_limit():
     assert (d.direction, d.reason) == ("up", "demand")
     # Once measured, empty windows do not block a probe again.
     assert c.step(busy(14, d.new_limit, ttft_p90_s=None, itl_p90_s=None)).direction == "up"
+
+
+def test_an_itl_cut_goes_to_the_fit_not_the_ratio():
+    """A TPOT p90 twice the target at 40 (stalls of prefills and encodes in it) would cut to
+    half by the ratio; with the line known (4 ms + 2 ms per request, spread 1.25: the fit is
+    38) the cut keeps ``decrease_factor`` (30), and goes deeper only to a fit below that,
+    never past MIN_CUT_FACTOR. Without a line, the ratio as before."""
+    from serve.admission.controller import MIN_CUT_FACTOR
+    from serve.admission.engine_stats import ItlLine
+
+    over = dict(itl_p90_s=2 * CFG.itl_target_s)
+    c = Controller(CFG, limit=40)
+    d = c.step(busy(0, 40, itl_line=ItlLine(0.004, 0.002, 1.25), **over))
+    assert (d.reason, d.new_limit) == ("slo_itl", 30)  # fit 38 > 40 x 0.75
+    c = Controller(CFG, limit=40)
+    d = c.step(busy(0, 40, itl_line=ItlLine(0.004, 0.003, 1.25), **over))
+    assert (d.reason, d.new_limit) == ("slo_itl", 25)  # the fit: (80 - 4) / 3
+    c = Controller(CFG, limit=40)
+    d = c.step(busy(0, 40, itl_line=ItlLine(0.004, 0.02, 1.25), **over))
+    assert (d.reason, d.new_limit) == ("slo_itl", int(40 * MIN_CUT_FACTOR))  # fit 3
+    c = Controller(CFG, limit=40)
+    d = c.step(busy(0, 40, **over))
+    assert (d.reason, d.new_limit) == ("slo_itl", 20)  # no line: target / measured
