@@ -236,8 +236,9 @@ class Controller:
     _sustained_cut: bool = field(default=False, init=False)
     #: The limit the last busy period with such a cut ended at (None: it had none).
     _overload_limit: int | None = field(default=None, init=False)
-    #: A cut started the latency windows afresh and no TTFT was measured since (no probe).
-    _await_sample: bool = field(default=False, init=False)
+    #: A cut started the latency windows afresh, and the signal it cut on (``"ttft"``;
+    #: ``"itl"`` after an inter-token cut) was not measured since: no probe (None: none).
+    _await_sample: str | None = field(default=None, init=False)
     decisions: deque = field(init=False)
 
     def __post_init__(self) -> None:
@@ -354,10 +355,10 @@ class Controller:
         """Latency (and GPU, when known) leave room for more sequences. A window without
         samples (no request has finished yet) does not block a probe; the KV and ITL fits
         still bound it (:meth:`kv_fit`, :meth:`itl_fit`). After a cut, which starts the
-        windows afresh, :meth:`step` waits for a TTFT measured at the new limit before the
-        next probe: on the CPU suite's T5 a probe on the empty windows 3 s after a TTFT cut
-        (13 -> 17) was followed by two more cuts, to 8 and 4, and the long answers that came
-        next queued behind the limit."""
+        windows afresh, :meth:`step` waits for a TTFT (after an inter-token cut, a TPOT)
+        measured at the new limit before the next probe: on the CPU suite's T5 a probe on
+        the empty windows 3 s after a TTFT cut (13 -> 17) was followed by two more cuts, to 8
+        and 4, and the long answers that came next queued behind the limit."""
         c = self.config
         ttft_ok = s.ttft_p90_s is None or s.ttft_p90_s < c.headroom * c.ttft_target_s
         itl_ok = s.itl_p90_s is None or s.itl_p90_s < c.headroom * c.itl_target_s
@@ -445,8 +446,9 @@ class Controller:
                 # (a burst arrives within one tick interval; on the CPU engine the grace held
                 # the limit at 32 through the first 5 s of T6's sustained 2x overload).
                 self._burst_until = float("-inf")
-        if s.ttft_p90_s is not None:
-            self._await_sample = False
+        if s.ttft_p90_s is not None and self._await_sample == "ttft" \
+                or s.itl_p90_s is not None and self._await_sample == "itl":
+            self._await_sample = None
         reason = self.overload_reason(s)
         if reason in LATENCY_REASONS and s.t < self._burst_until:
             # Never a cut; a raise to the idle limit when the rest of the burst is queued:
@@ -469,7 +471,13 @@ class Controller:
         elif reason is not None:
             new = self._clamp(math.floor(old * self._cut_factor(reason, s)))
             self._cooldown_until = s.t + c.cooldown_s
-            self._await_sample = new < old
+            # No probe before the signal that cut was measured at the new limit: a TTFT,
+            # or after an inter-token cut a finished request's TPOT (a TTFT comes first and
+            # says nothing of it: the CPU suite's T6, chat at 2x capacity, probed 14 -> 18
+            # and 15 -> 19 within 1-3 s of each inter-token cut, then cut again, and the
+            # requests queued at the higher limit missed their TTFT target at the lower).
+            self._await_sample = None if new >= old else \
+                "itl" if reason == "slo_itl" else "ttft"
             direction: Direction = "down" if new < old else "hold"
             if new == old:
                 reason = "bound"

@@ -374,6 +374,20 @@ def test_after_a_cut_the_next_probe_waits_for_a_ttft_at_the_new_limit():
     assert c.step(busy(14, d.new_limit, ttft_p90_s=None, itl_p90_s=None)).direction == "up"
 
 
+def test_after_an_itl_cut_the_next_probe_waits_for_a_tpot_at_the_new_limit():
+    """After a cut on the inter-token target a TTFT at the new limit (which comes first)
+    does not end the wait: only a finished request's TPOT measured since says whether the
+    streams now keep the target."""
+    c = Controller(CFG, limit=32)
+    d = c.step(busy(0, 32, itl_p90_s=0.15))  # over the 100-ms target: cut
+    assert (d.reason, d.is_cut) == ("slo_itl", True)
+    cut = c.limit
+    d = c.step(busy(10, cut, ttft_p90_s=0.2, itl_p90_s=None))  # cooldown over, a TTFT only
+    assert d.direction == "hold"
+    d = c.step(busy(11, cut, ttft_p90_s=0.2, itl_p90_s=0.03))
+    assert (d.direction, d.reason) == ("up", "demand")
+
+
 def test_an_itl_cut_goes_to_the_fit_not_the_ratio():
     """A TPOT p90 twice the target at 40 (stalls of prefills and encodes in it) would cut to
     half by the ratio; with the line known (4 ms + 2 ms per request, spread 1.25: the fit is
