@@ -376,7 +376,7 @@ class Controller:
         ratio also charges the batch with the stalls of prefills and image encodes, which
         a smaller batch does not remove (the CPU suite's T6, chat at 2x capacity: cuts
         18 -> 9 and 16 -> 13 on the ratio, demand probes straight back to 17-19, where a
-        fixed 16 got twice auto's good requests)."""
+        fixed 16 got nearly twice auto's good requests: 115 against 61)."""
         c = self.config
         measured, target = {"slo_ttft": (s.ttft_p90_s, c.ttft_target_s),
                             "slo_itl": (s.itl_p90_s, c.itl_target_s)}.get(reason, (None, None))

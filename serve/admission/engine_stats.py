@@ -329,9 +329,10 @@ class EngineStatsFeed:
         rate is a lower bound, taken only where it is higher than the one known. (The engine
         test of the burst budget, on an idle machine: 8 chats of 60 tokens measured 7,452
         tokens/s after 8 prompts of 4,000 had measured 17,068, and the budget fell from
-        4,267 to 1,863 tokens while that burst arrived; on a loaded CI machine the short
-        prompts' TTFTs, and so the fall, are larger, and a budget below the burst's own
-        tokens held the rest of it back: it was shed once the window ran out.)
+        4,267 to 1,863 tokens while that burst arrived. On a loaded machine those TTFTs are
+        longer and the fall deeper; a budget below the burst's own tokens holds the rest of
+        it back, and what arrives after its window is shed: the likely cause of that test's
+        failures on a slow CI machine, inferred, not traced there.)
         """
         if idle_before:
             self._burst_start_s, self._burst_tokens, self._burst_open = None, 0, True
