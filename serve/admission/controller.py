@@ -382,7 +382,7 @@ class Controller:
                             "slo_itl": (s.itl_p90_s, c.itl_target_s)}.get(reason, (None, None))
         if not measured:
             return c.decrease_factor
-        if reason == "slo_itl" and self.limit > 0:
+        if reason == "slo_itl":
             fit = self.itl_fit(s)
             if fit is not None:
                 return max(MIN_CUT_FACTOR, min(c.decrease_factor, fit / self.limit))
