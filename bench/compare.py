@@ -70,6 +70,7 @@ from bench.process import (
     stop_process,
 )
 from serve.admission.engine_stats import percentile
+from serve.admission.goodput import SloTargets
 
 #: W1's plan by kind and concurrency: (prompts per segment, segments per side), the order of
 #: the sides alternating (A B B A ...). Text segments last ~3-6 s each (at least 2 waves of
@@ -172,6 +173,9 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
     mem = rest[W5_REPEATS * W5_PHOTOS:]
     out: dict = {name: {} for name in pair}
     tokenizer_dir = model_dir()
+    slo = server_slo()
+    for name in out:
+        out[name]["w1_slo"] = {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s}
 
     # Warm-up: the first request of a process pays one-off costs on both sides.
     warm = w.small_image_urls(sources, 1, seed + 500)
@@ -216,7 +220,7 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
                             continue
                         n = min(prompts, SEQUENTIAL_PROMPTS)
                     runs[name].append(segment(sides[name].server.base_url, tokenizer_dir,
-                                              model, kind, c, n, segment_seed, log))
+                                              model, kind, c, n, segment_seed, log, slo))
             for name in names:
                 pooled = w.pool_runs(runs[name])
                 pooled["segments"] = [w.pool_runs([one]) for one in runs[name]]
@@ -268,14 +272,26 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
     return out
 
 
+def server_slo() -> SloTargets:
+    """The latency targets every server of the run is judged by in W1's goodput: those our
+    server's autotuner serves (``Settings``' ``slo_ttft_s`` and ``slo_itl_s`` after the
+    hardware defaults; ``PHI3V_SLO_*`` variables apply), so the goodput column scores both
+    sides by what ours optimises."""
+    from serve.settings import Settings
+
+    s = Settings().resolved()
+    return SloTargets(s.slo_ttft_s, s.slo_itl_s)
+
+
 def segment(url: str, tokenizer_dir: Path, model: str, kind: str, concurrency: int,
-            prompts: int, seed: int, log) -> dict:
-    """One W1 segment (:func:`bench.workloads.serving_benchmark`), with vLLM's engine-side
-    mean TTFT over it (``engine_mean_ttft_ms``, from the server's ``/metrics`` before and
-    after): the client's TTFT minus it is what the HTTP path in front of the engine adds."""
+            prompts: int, seed: int, log, slo: SloTargets | None = None) -> dict:
+    """One W1 segment (:func:`bench.workloads.serving_benchmark`, goodput judged by ``slo``),
+    with vLLM's engine-side mean TTFT over it (``engine_mean_ttft_ms``, from the server's
+    ``/metrics`` before and after): the client's TTFT minus it is what the HTTP path in front
+    of the engine adds."""
     before = w.engine_ttft_totals(url)
     result = w.serving_benchmark(url, tokenizer_dir, model, kind, concurrency, prompts, seed,
-                                 log)
+                                 log, slo)
     after = w.engine_ttft_totals(url)
     if after[1] > before[1]:
         result["engine_mean_ttft_ms"] = (after[0] - before[0]) / (after[1] - before[1]) * 1000
@@ -294,6 +310,28 @@ def added_ttft_ms(ours: dict, raw: dict) -> float | None:
         return None
     return statistics.median((a["mean_ttft_ms"] - a["engine_mean_ttft_ms"])
                              - (b["mean_ttft_ms"] - b["engine_mean_ttft_ms"]) for a, b in pairs)
+
+
+def goodput_ratio(ours: dict, raw: dict) -> float | None:
+    """ours/raw goodput of one W1 cell (:func:`bench.workloads.pool_runs`'
+    ``request_goodput``: requests per second meeting both SLO targets, pooled over the
+    cell's segments; pooled, not paired, since a segment of a saturated cell may have no good
+    request at all). None where either side was not measured or raw vLLM had none."""
+    a, b = ours.get("request_goodput"), raw.get("request_goodput")
+    return None if a is None or not b else a / b
+
+
+def goodput_line(m: dict, summary: dict) -> str | None:
+    """Per W1 cell, ours/raw goodput under the SLO the run judged it by (not a target of
+    ``make bench``; what the admission limit trades the median TTFT for where it holds
+    requests back). None where not measured."""
+    cells = {k: v for k, v in summary.get("goodput_by_cell", {}).items() if v is not None}
+    slo = m["ours"].get("w1_slo")
+    if not cells or slo is None:
+        return None
+    return (f"goodput ours/raw (W1 requests/s with TTFT <= {slo['ttft_s']:g} s and TPOT <= "
+            f"{slo['itl_s']:g} s; not a target) "
+            + " ".join(f"{cell.replace(' c=', ':c=')}={x:.2f}" for cell, x in cells.items()))
 
 
 def added_line(summary: dict) -> str | None:
@@ -356,8 +394,9 @@ def summarize(m: dict) -> dict:
     noise = {"throughput": min(aa_thr.values()), "ttft_p50": max(aa_ttft.values())} \
         if aa_cells else None
     added = {f"{k} c={c}": added_ttft_ms(o["w1"][k][c], r["w1"][k][c]) for k, c in cells}
+    good = {f"{k} c={c}": goodput_ratio(o["w1"][k][c], r["w1"][k][c]) for k, c in cells}
     return {"ratios": ratios, "ttft_by_cell": ttft, "throughput_by_cell": thr,
-            "added_ttft_ms": added,
+            "added_ttft_ms": added, "goodput_by_cell": good,
             "aa_throughput_by_cell": aa_thr, "aa_ttft_by_cell": aa_ttft, "noise": noise}
 
 
@@ -432,6 +471,11 @@ def table(m: dict, s: dict) -> str:
                  f"{b['median_itl_ms']:.1f} / {b['p99_itl_ms']:.1f}",
                  f"{a['median_itl_ms']:.1f} / {a['p99_itl_ms']:.1f}",
                  a["p99_itl_ms"] / b["p99_itl_ms"])]
+            good = s.get("goodput_by_cell", {}).get(cell)
+            if "request_goodput" in a and "request_goodput" in b:
+                rows.append((f"W1 {cell}: goodput, requests/s within the SLO (not a target)",
+                             f"{b['request_goodput']:.2f}", f"{a['request_goodput']:.2f}",
+                             good if good is not None else float("nan")))
     rows += [
         *[(f"A/A control, W1 {cell}: requests/s and TTFT p50 (ms), raw2 (a 2nd raw vLLM) "
            "in the ours column", f"{r['w1'][k][c]['request_throughput']:.2f}, "
@@ -482,6 +526,10 @@ def table(m: dict, s: dict) -> str:
     if noise:
         footer += (f"\nA/A control (two identical raw vLLM servers, same rule as ours/raw): "
                    f"`{noise}`.\n")
+    good = goodput_line(m, s)
+    if good:
+        footer += (f"\nGoodput (DistServe; vLLM's `--goodput`) under the targets our "
+                   f"autotuner serves, the same for both sides: `{good}`.\n")
     added = added_line(s)
     if added:
         footer += (f"\nWhat ours adds in front of the engine (the TTFT ratio above also holds "
@@ -567,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
         print("README.md: benchmark table updated")
     print(f"wrote {args.out}/bench.json, bench.md" + (", bench.png" if plotted else "")
           + f" in {time.monotonic() - t0:.0f} s")
+    good = goodput_line(measurements, summary)
+    if good:
+        print(good)
     added = added_line(summary)
     if added:
         print(added)

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from serve.admission.engine_stats import percentile
+from serve.admission.goodput import SloTargets
 from serve.sse import data_event
 
 #: A 12-megapixel phone photo (4:3, landscape), pixels.
@@ -290,12 +291,18 @@ W1_COMMON = ("--dataset-name", "random-mm", "--random-input-len", "64",
 
 
 def serving_benchmark(base_url: str, model_dir: Path, model_name: str, kind: str,
-                      concurrency: int, num_prompts: int, seed: int, log) -> dict:
+                      concurrency: int, num_prompts: int, seed: int, log,
+                      slo: SloTargets | None = None) -> dict:
     """W1: one run of ``vllm.benchmarks.serve`` (its ``main``), output to ``log``.
+
+    ``slo``: the latency targets its goodput is judged by (vLLM's own ``--goodput
+    ttft:MS tpot:MS``, DistServe's definition: a request counts when its TTFT and its TPOT,
+    ``(latency - TTFT) / (output tokens - 1)``, both meet their target); None: no goodput.
 
     Returns vLLM's result dict with the per-request details (``--save-detailed``):
     ``completed``, ``duration`` (s), ``total_output_tokens``, ``ttfts`` (s per request),
-    ``itls`` (s, a list per request), ``request_throughput`` (req/s), ...
+    ``itls`` (s, a list per request), ``request_throughput`` (req/s), ``request_goodput``
+    (req/s, None without ``slo``), ...
     """
     import argparse
 
@@ -309,7 +316,9 @@ def serving_benchmark(base_url: str, model_dir: Path, model_name: str, kind: str
         "--trust-remote-code", *W1_COMMON, *W1_KINDS[kind], "--num-prompts", str(num_prompts),
         "--max-concurrency", str(concurrency), "--seed", str(seed), "--temperature", "0",
         "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99",
-        "--disable-tqdm", "--num-warmups", "1", "--save-detailed"])
+        "--disable-tqdm", "--num-warmups", "1", "--save-detailed",
+        *(("--goodput", f"ttft:{slo.ttft_s * 1000:g}", f"tpot:{slo.itl_s * 1000:g}")
+          if slo is not None else ())])
     with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return main(args)
 
@@ -342,7 +351,9 @@ def pool_runs(runs: list[dict]) -> dict:
     Returns ``completed``, ``failed``, ``duration`` (s), ``request_throughput`` (req/s),
     ``output_throughput`` (tokens/s), ``median_ttft_ms``, ``p99_ttft_ms``, ``median_itl_ms``,
     ``p99_itl_ms``, and where every run has it (:func:`engine_ttft_totals`), ``mean_ttft_ms``
-    (client-side) and ``engine_mean_ttft_ms`` (vLLM's engine-side mean over the same runs).
+    (client-side) and ``engine_mean_ttft_ms`` (vLLM's engine-side mean over the same runs),
+    and ``request_goodput`` (req/s meeting the SLO, over the summed durations) where every run
+    measured it (:func:`serving_benchmark` ``slo``).
     """
     duration = sum(r["duration"] for r in runs)
     ttfts = [t for r in runs for t, e in zip(r["ttfts"], r["errors"], strict=False) if not e]
@@ -360,4 +371,7 @@ def pool_runs(runs: list[dict]) -> dict:
         **({"mean_ttft_ms": statistics.mean(ttfts) * 1000,
             "engine_mean_ttft_ms": statistics.mean(r["engine_mean_ttft_ms"] for r in runs)}
            if ttfts and all("engine_mean_ttft_ms" in r for r in runs) else {}),
+        **({"request_goodput": sum(r["request_goodput"] * r["duration"] for r in runs)
+            / duration}
+           if all(r.get("request_goodput") is not None for r in runs) else {}),
     }

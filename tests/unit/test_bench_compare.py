@@ -143,3 +143,36 @@ def test_engine_ttft_totals_read_vllm_histogram(monkeypatch):
                         lambda **kw: real(transport=transport, **kw))
     total, count = workloads.engine_ttft_totals("http://peer")
     assert count == 3 and abs(total - 0.6) < 1e-9
+
+
+def test_goodput_per_w1_cell_pooled_and_reported():
+    """W1's goodput (vLLM's ``request_goodput`` per segment) pools as good requests over the
+    summed durations; the ratio is None where raw vLLM had no good request or a side was not
+    scored; the report names the SLO it judged by."""
+    runs = [{"duration": 2.0, "completed": 4, "failed": 0, "total_output_tokens": 4,
+             "ttfts": [0.1] * 4, "errors": [""] * 4, "itls": [[0.01]] * 4,
+             "request_goodput": 1.5},
+            {"duration": 6.0, "completed": 4, "failed": 0, "total_output_tokens": 4,
+             "ttfts": [0.1] * 4, "errors": [""] * 4, "itls": [[0.01]] * 4,
+             "request_goodput": 0.0}]
+    assert pool_runs(runs)["request_goodput"] == 3 / 8  # 3 good requests in 8 s
+    runs[1]["request_goodput"] = None  # one segment not scored: the cell is not either
+    assert "request_goodput" not in pool_runs(runs)
+    assert compare.goodput_ratio({"request_goodput": 0.5}, {"request_goodput": 0.25}) == 2.0
+    assert compare.goodput_ratio({"request_goodput": 0.5}, {"request_goodput": 0.0}) is None
+    assert compare.goodput_ratio({}, {"request_goodput": 0.25}) is None
+
+    m = {"ours": side(10.0, 100.0, 0.3), "raw": side(10.0, 100.0, 0.6),
+         "sequential": {"w1": {k: {"16": cell(1.0, 50.0)} for k in compare.W1_PLAN}}}
+    assert compare.goodput_line(m, compare.summarize(m)) is None  # not scored
+    for name, good in (("ours", 3.0), ("raw", 2.0)):
+        m[name]["w1_slo"] = {"ttft_s": 10.0, "itl_s": 0.5}
+        m[name]["w1"]["image"]["64"]["request_goodput"] = good
+    summary = compare.summarize(m)
+    line = compare.goodput_line(m, summary)
+    assert line == ("goodput ours/raw (W1 requests/s with TTFT <= 10 s and TPOT <= 0.5 s; "
+                    "not a target) image:c=64=1.50")
+    md = compare.table(m, summary)
+    assert "| W1 image c=64: goodput, requests/s within the SLO (not a target) | 2.00 | " \
+           "3.00 | 1.50 |" in md and line in md
+    assert "text c=64: goodput" not in md  # a cell not scored has no row
