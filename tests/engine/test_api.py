@@ -17,6 +17,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve.models.remote_code.processing_phi3_v import hd_transform_size, num_image_tokens
 from serve.sse import DONE, data_event
@@ -89,6 +90,25 @@ def test_health_models_metrics(server):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds"):
         assert name in text, name
+
+
+def test_one_http_account_of_every_response(server):
+    """The gateway counts each response (``phi3v_http_responses_total``); vLLM's second
+    account of the same responses (prometheus-fastapi-instrumentator's ``http_*`` series, a
+    middleware on the event loop that streams every token) is taken off its app."""
+    def chats_counted() -> float:
+        text = httpx.get(f"{server.base_url}/metrics").text
+        assert "http_request" not in text  # neither http_requests_total nor its histograms
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples if sample.name == "phi3v_http_responses_total"
+                   and sample.labels == {"route": "/v1/chat/completions", "code": "200"})
+
+    before = chats_counted()
+    answer = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": server.model, "max_tokens": 2,
+        "messages": [{"role": "user", "content": "Hello"}]})
+    assert answer.status_code == 200, answer.text
+    assert chats_counted() == before + 1
 
 
 # --- chat ---------------------------------------------------------------------------------------
