@@ -45,6 +45,12 @@ and the one before it what ours adds to the TTFT in front of vLLM's engine per W
 segments does not move::
 
     ttft added ours-raw in front of vLLM's engine (client - engine-side mean, ms) text:c=1=+X ...
+
+and before that one W1's goodput (:func:`goodput_line`; not a target): both sides scored by
+vLLM's own benchmark (``--goodput``) under the SLO targets our autotuner serves
+(:func:`server_slo`), ours/raw per cell::
+
+    goodput ours/raw (W1 requests/s with TTFT <= 10 s and TPOT <= 0.5 s; not a target) ...
 """
 
 from __future__ import annotations
