@@ -28,13 +28,19 @@ import statistics
 import sys
 import time
 
-#: One ordinary token chunk as vLLM 0.32 writes it (compact JSON).
-TOKEN_CHUNK = (b'data: {"id":"chatcmpl-8d1e2f3a4b5c6d7e","object":"chat.completion.chunk",'
-               b'"created":1764575000,"model":"phi-3-vision-tiny","choices":[{"index":0,'
-               b'"delta":{"content":" hello"},"logprobs":null,"finish_reason":null}],'
-               b'"prompt_token_ids":null}\n\n')
-ROLE_CHUNK = TOKEN_CHUNK.replace(b'{"content":" hello"}', b'{"role":"assistant","content":""}')
-FINISH_CHUNK = TOKEN_CHUNK.replace(b'"finish_reason":null', b'"finish_reason":"length"')
+#: The chunks of a chat stream as vLLM 0.32 writes them (compact JSON, captured from the tiny
+#: model): the role chunk, one chunk per token, the finish chunk. A token chunk takes the
+#: stream guard's O(1) path (``serve.streamguard.TOKEN_EVENT_ENDS``), as in the server
+#: (``tests/engine/test_api.py`` checks the server's own chunks end so).
+_HEAD = (b'data: {"id":"chatcmpl-8d1e2f3a4b5c6d7e","object":"chat.completion.chunk",'
+         b'"created":1764575000,"model":"phi-3-vision-tiny","choices":[{"index":0,')
+ROLE_CHUNK = (_HEAD + b'"delta":{"role":"assistant","content":""},"logprobs":null,'
+              b'"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n')
+TOKEN_CHUNK = (_HEAD + b'"delta":{"content":" hello"},"logprobs":null,'
+               b'"finish_reason":null,"token_ids":null}]}\n\n')
+FINISH_CHUNK = (_HEAD + b'"delta":{"content":" hello"},"logprobs":null,'
+                b'"finish_reason":"length","stop_reason":null,"token_ids":null}],'
+                b'"system_fingerprint":"vllm-0.32.0"}\n\n')
 DONE = b"data: [DONE]\n\n"
 CHAT_PATH = "/v1/chat/completions"
 

@@ -92,6 +92,25 @@ def test_health_models_metrics(server):
         assert name in text, name
 
 
+def test_token_chunks_take_the_stream_guards_o1_path(server):
+    """vLLM's token chunks, as the client receives them through every layer, end as the stream
+    guard's O(1) test expects (``serve.streamguard.TOKEN_EVENT_ENDS``): the per-token cost
+    ``python -m bench.layers`` measures with the same shape. A vLLM that writes them otherwise
+    sends every token through the general test (a regex scan) instead."""
+    from serve.streamguard import TOKEN_EVENT_ENDS
+
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=60, json={
+            "model": server.model, "max_tokens": 6, "stream": True,
+            "messages": [{"role": "user", "content": "Hello"}]}) as answer:
+        body = b"".join(answer.iter_bytes())
+    events = [e + b"\n\n" for e in body.split(b"\n\n") if e]
+    # The role chunk, a chunk per token (the last one finishes), [DONE]: random weights may
+    # end an answer early, so at least one token chunk between the role and the finish.
+    assert events[-1] == b"data: [DONE]\n\n" and len(events) >= 4, events
+    tokens = events[1:-2]
+    assert tokens and all(e.endswith(TOKEN_EVENT_ENDS) for e in tokens), tokens
+
+
 def test_one_http_account_of_every_response(server):
     """The gateway counts each response (``phi3v_http_responses_total``); vLLM's second
     account of the same responses (prometheus-fastapi-instrumentator's ``http_*`` series, a

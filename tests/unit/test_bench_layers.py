@@ -27,3 +27,14 @@ async def test_summary_line():
     assert re.fullmatch(r"layers us_per_request=-?\d+ us_per_token=-?\d+\.\d\d "
                         r"\(tokens=4, over a bare peer of \d+ us\)", line), line
     assert m["ours_us"] > 0 and m["peer_us"] > 0
+
+
+def test_the_scripted_peer_streams_what_the_guard_passes_in_o1():
+    """bench.layers times the path the server takes: vLLM 0.32's token chunk ends as the
+    stream guard's O(1) test expects (``tests/engine/test_api.py`` checks the live server's);
+    the role and finish chunks do not and take the general test."""
+    from serve.streamguard import TOKEN_EVENT_ENDS, ordinary_chunk
+
+    assert layers.TOKEN_CHUNK.endswith(TOKEN_EVENT_ENDS) and ordinary_chunk(layers.TOKEN_CHUNK)
+    assert not layers.ROLE_CHUNK.endswith(TOKEN_EVENT_ENDS)
+    assert not layers.FINISH_CHUNK.endswith(TOKEN_EVENT_ENDS)
