@@ -150,10 +150,9 @@ async def build_openai_app(engine: "AsyncLLM", settings: Settings) -> "FastAPI":
 #: module and class name: the gateway counts every response itself.
 HTTP_INSTRUMENTATION = ("prometheus_fastapi_instrumentator.middleware",
                         "PrometheusInstrumentatorMiddleware")
-#: Name prefixes of the series that middleware registers (its ``metrics.default``):
-#: ``http_requests_total``, ``http_request_size_bytes``, ``http_response_size_bytes``,
-#: ``http_request_duration_highr_seconds``, ``http_request_duration_seconds``.
-HTTP_SERIES_PREFIXES = ("http_requests_", "http_request_", "http_response_")
+#: The series that middleware registers (its ``metrics.default``), by name.
+HTTP_SERIES = ("http_requests_total", "http_request_size_bytes", "http_response_size_bytes",
+               "http_request_duration_highr_seconds", "http_request_duration_seconds")
 
 
 def drop_http_instrumentation(app: "FastAPI") -> int:
@@ -188,10 +187,9 @@ def drop_http_instrumentation(app: "FastAPI") -> int:
         return 0
     app.user_middleware[:] = [m for m in app.user_middleware if m not in ours]
     app.middleware_stack = None
-    for registry in {id(r): r for r in (m.kwargs.get("registry") for m in ours) if r}.values():
-        by_name = dict(getattr(registry, "_names_to_collectors", {}))
-        for collector in {id(c): c for n, c in by_name.items()
-                          if n.startswith(HTTP_SERIES_PREFIXES)}.values():
+    for registry in {m.kwargs.get("registry") for m in ours} - {None}:
+        by_name = getattr(registry, "_names_to_collectors", {})
+        for collector in [by_name[n] for n in HTTP_SERIES if n in by_name]:
             registry.unregister(collector)
     return len(ours)
 
