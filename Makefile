@@ -18,7 +18,7 @@ UI_PY := $(UI_VENV)/bin/python
 UI_STAMP := $(UI_VENV)/.installed
 UI_PORT ?= 8080
 
-.PHONY: install demo serve serve-full model test test-fast clean help system-deps ui-install ui monitoring-check prometheus bench bench-autotune lint
+.PHONY: install demo serve serve-full model test test-fast clean help system-deps ui-install ui monitoring-check prometheus bench bench-control bench-autotune lint
 
 help:
 	@echo "make demo   - API + chat UI on the tiny model; prints both URLs when ready (login demo/demo)"
@@ -27,6 +27,7 @@ help:
 	@echo "make test-fast - the unit tier only (no engine, no browser; under a minute)"
 	@echo "make lint   - ruff (configured in pyproject.toml) over the whole tree"
 	@echo "make bench  - our stack against raw vLLM on the same engine (~10 min); prints the ratios"
+	@echo "make bench-control - the same run with raw vLLM on both sides: this machine's noise floor"
 	@echo "make serve  - serve the real $(notdir $(REAL_MODEL)) from WEIGHTS=$(WEIGHTS)"
 
 install: $(STAMP)
@@ -95,6 +96,11 @@ test: install model ui-install system-deps
 bench: install model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.compare $(BENCH_ARGS)
+
+# `make bench` with a second raw vLLM in ours' place: what identical servers score (~11 min).
+bench-control: install model
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m bench.compare --control $(BENCH_ARGS)
 
 # Goodput of the max_num_seqs autotuner vs static limits: on the engine simulator (~10 s),
 # then on the real tiny engine on CPU (~18 min: this machine's capacity first, then one server

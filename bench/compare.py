@@ -1,6 +1,6 @@
 """``make bench``: what our layers cost, measured against raw vLLM on the same engine, in one run.
 
-``python -m bench.compare [--out bench/results] [--seed 0] [--no-readme]``
+``python -m bench.compare [--out bench/results] [--seed 0] [--no-readme] [--control]``
 
 Three servers start one after another on the tiny Phi-3-vision (``models/phi-3-vision-tiny``)
 with the engine arguments of one :class:`~serve.settings.Settings` (``PHI3V_*`` variables
@@ -39,8 +39,13 @@ gives the A/A control::
 
     noise A/A raw2/raw throughput=X ttft_p50=X (W1 text c=16)
 
-and the one before it what ours adds to the TTFT in front of vLLM's engine per W1 cell
-(:func:`added_ttft_ms`: client mean TTFT minus vLLM's engine-side mean from each server's
+``--control`` (``make bench-control``) extends that control to the whole run: a second raw
+vLLM takes ours' place in every workload (output in ``bench/out/control``, the README left
+alone), so the last line gives, for each target, what two identical servers score on this
+machine that day.
+
+The line before the A/A line gives what ours adds to the TTFT in front of vLLM's engine per
+W1 cell (:func:`added_ttft_ms`: client mean TTFT minus vLLM's engine-side mean from each server's
 ``/metrics``, ours minus raw, ms), the part of the TTFT ratio that the machine's drift between
 segments does not move::
 
@@ -137,18 +142,24 @@ def start_raw(name: str, out: Path, model: Path) -> Side:
         port, out / "logs" / f"{name}.log", "/v1/models", env=settings.engine_env()))
 
 
-def start_sides(out: Path, sides: dict[str, Side]) -> None:
+def start_sides(out: Path, sides: dict[str, Side], control: bool = False) -> None:
     """Start ours, raw vLLM, the sequential baseline and the A/A control (a second raw vLLM),
     one after another, into ``sides`` (filled as they come up, so the caller can stop what
     started if a later one fails). ``PHI3V_*`` variables reach all of them (raw vLLM through
-    :func:`vllm_cli_args`)."""
+    :func:`vllm_cli_args`).
+
+    ``control``: the whole-run A/A control (``--control``): the ``ours`` side is a second raw
+    vLLM (named ``control`` in the logs) and there is no separate ``raw2`` (every cell is then
+    an A/A cell): what two identical servers score on every ratio and target of the run."""
     model = model_dir()
-    sides["ours"] = Side("ours", start_serve([], out / "logs" / "ours.log", model_dir=model))
+    sides["ours"] = start_raw("control", out, model) if control else Side(
+        "ours", start_serve([], out / "logs" / "ours.log", model_dir=model))
     sides["raw"] = start_raw("raw", out, model)
     sides["sequential"] = Side("sequential", start_serve(
         ["--autotune", "static", "--admission-limit", "1"], out / "logs" / "sequential.log",
         model_dir=model))
-    sides["raw2"] = start_raw("raw2", out, model)
+    if not control:
+        sides["raw2"] = start_raw("raw2", out, model)
 
 
 def halves(items: list) -> tuple[list, list]:
@@ -191,7 +202,7 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
     # W4 first, while both servers are idle: a burst as large as the engine ceiling,
     # W4_REPEATS times (ours, raw, then raw, ours, ...) with distinct images; the ratio is the
     # median of the back-to-back pairs' (as W1's cells).
-    ceiling = run_json(ours + "/admin/autotuner")["config"]["ceiling"]
+    ceiling = engine_ceiling()
     for name in pair:
         out[name]["w4"] = {"n": ceiling, "makespans_s": [], "non200": 0}
     for k in range(W4_REPEATS):
@@ -213,7 +224,8 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
     for kind, cells in W1_PLAN.items():
         for c in W1_CONCURRENCIES:
             prompts, segments = cells[c]
-            names = ["ours", "raw", *(["raw2"] if (kind, c) in AA_CELLS else []),
+            names = ["ours", "raw", *(["raw2"] if (kind, c) in AA_CELLS and "raw2" in sides
+                                      else []),
                      *(["sequential"] if c == 16 else [])]
             runs: dict[str, list[dict]] = {n: [] for n in names}
             started = time.monotonic()
@@ -276,6 +288,15 @@ def measure(sides: dict[str, Side], model: str, seed: int, log) -> dict:
     print("W5 ITL p99 under photos: " + ", ".join(
         f"{n} {percentile(out[n]['w5_itls_s'], 99) * 1000:.0f} ms" for n in pair), flush=True)
     return out
+
+
+def engine_ceiling() -> int:
+    """The engine's ``max_num_seqs`` (``Settings``, resolved for this machine): W4's burst
+    size. The same figure ours' autotuner has as its ceiling (``/admin/autotuner``), read
+    from the settings so that a run whose ``ours`` side is raw vLLM (``--control``) has it."""
+    from serve.settings import Settings
+
+    return Settings().resolved().max_num_seqs
 
 
 def server_slo() -> SloTargets:
@@ -583,14 +604,30 @@ def update_readme(md: str, readme: Path = ROOT / "README.md") -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line of ``python -m bench.compare`` (module docstring); ``--control``
+    implies ``--no-readme`` and, unless ``--out`` is given, ``bench/out/control``."""
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where results go (default bench/results, with --control "
+                        "bench/out/control)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-readme", action="store_true",
                         help="do not copy the table into README.md")
+    parser.add_argument("--control", action="store_true",
+                        help="whole-run A/A control: a second raw vLLM in ours' place, every "
+                        "workload as in a normal run; its ratios are this machine's noise "
+                        "floor for each target")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = ROOT / "bench" / ("out/control" if args.control else "results")
+    args.no_readme = args.no_readme or args.control
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from serve.engine import apply_engine_env
     from serve.settings import Settings
 
@@ -599,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     sides: dict[str, Side] = {}
     try:
-        start_sides(args.out, sides)
+        start_sides(args.out, sides, control=args.control)
         print("servers ready: " + ", ".join(
             f"{s.name} {s.server.ready_s:.0f} s" for s in sides.values()), flush=True)
         model = run_json(sides["ours"].server.base_url + "/v1/models")["data"][0]["id"]
@@ -630,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     noise = noise_line(summary)
     if noise:
         print(noise)
+    if args.control:
+        print("control run: the 'ours' side below is a second raw vLLM, so each ratio is "
+              "what two identical servers score")
     print(last_line(summary["ratios"]))
     return 0
 

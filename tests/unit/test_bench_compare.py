@@ -176,3 +176,38 @@ def test_goodput_per_w1_cell_pooled_and_reported():
     assert "| W1 image c=64: goodput, requests/s within the SLO (not a target) | 2.00 | " \
            "3.00 | 1.50 |" in md and line in md
     assert "text c=64: goodput" not in md  # a cell not scored has no row
+
+
+def test_control_run_puts_raw_vllm_in_ours_place(monkeypatch, tmp_path):
+    """``--control``: the same run with a second raw vLLM as the ``ours`` side (every cell an
+    A/A cell, so no separate raw2), its own output folder, the README left alone. The server
+    starters are replaced by recorders: what is tested is which servers the run asks for."""
+    started = []
+
+    def raw(name, out, model):
+        started.append(("raw", name))
+        return compare.Side(name, None)
+
+    def serve(args, log_path, model_dir):
+        started.append(("ours", log_path.stem, tuple(args)))
+        return None
+
+    monkeypatch.setattr(compare, "start_raw", raw)
+    monkeypatch.setattr(compare, "start_serve", serve)
+    monkeypatch.setattr(compare, "model_dir", lambda: tmp_path)
+    sides = {}
+    compare.start_sides(tmp_path, sides, control=True)
+    assert started == [("raw", "control"), ("raw", "raw"),
+                       ("ours", "sequential", ("--autotune", "static", "--admission-limit", "1"))]
+    assert set(sides) == {"ours", "raw", "sequential"}
+    started.clear()
+    compare.start_sides(tmp_path, {}, control=False)
+    assert [s[:2] for s in started] == [("ours", "ours"), ("raw", "raw"), ("ours", "sequential"),
+                                        ("raw", "raw2")]
+
+    args = compare.parse_args(["--control"])
+    assert args.no_readme and args.out == compare.ROOT / "bench" / "out" / "control"
+    args = compare.parse_args([])
+    assert not args.no_readme and args.out == compare.ROOT / "bench" / "results"
+    assert compare.parse_args(["--control", "--out", str(tmp_path)]).out == tmp_path
+
