@@ -97,7 +97,7 @@ bench: install model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.compare $(BENCH_ARGS)
 
-# `make bench` with a second raw vLLM in ours' place: what identical servers score (~11 min).
+# `make bench` with a second raw vLLM in ours' place: what identical servers score (~12 min).
 bench-control: install model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.compare --control $(BENCH_ARGS)

@@ -42,7 +42,8 @@ gives the A/A control::
 ``--control`` (``make bench-control``) extends that control to the whole run: a second raw
 vLLM takes ours' place in every workload (output in ``bench/out/control``, the README left
 alone), so the last line gives, for each target, what two identical servers score on this
-machine that day.
+machine that day. That run has no separate A/A line (every cell is an A/A cell); its
+artefacts and the line before its last say it is a control run (:data:`CONTROL_NOTE`).
 
 The line before the A/A line gives what ours adds to the TTFT in front of vLLM's engine per
 W1 cell (:func:`added_ttft_ms`: client mean TTFT minus vLLM's engine-side mean from each server's
@@ -565,8 +566,14 @@ def table(m: dict, s: dict) -> str:
     return "\n".join(lines) + footer
 
 
-def plot(ratios: dict, path: Path) -> bool:
-    """``bench.png``: each ratio as a bar, its target as a tick. False without matplotlib."""
+#: What a ``--control`` run's artefacts say first: its ``ours`` side is not our stack.
+CONTROL_NOTE = ("Control run (`make bench-control`): the 'ours' side is a second raw vLLM "
+                "server, so every ratio is what two identical servers score.")
+
+
+def plot(ratios: dict, path: Path, control: bool = False) -> bool:
+    """``bench.png``: each ratio as a bar, its target as a tick (``control``: titled as the
+    control run). False without matplotlib."""
     try:
         import matplotlib
 
@@ -583,7 +590,8 @@ def plot(ratios: dict, path: Path) -> bool:
                label="target (throughput: at least; others: at most)", zorder=3)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_ylabel("ours / raw vLLM")
-    ax.set_title(f"make bench: our stack against raw vLLM (ours/sequential at c=16: "
+    what = "control, raw vLLM against raw vLLM" if control else "our stack against raw vLLM"
+    ax.set_title(f"make bench: {what} (ours/sequential at c=16: "
                  f"{ratios['ours/sequential throughput@16']:.1f}x)")
     ax.legend(loc="upper right")
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
@@ -647,11 +655,14 @@ def main(argv: list[str] | None = None) -> int:
             stop_process(side.server)
     summary = summarize(measurements)
     md = table(measurements, summary)
+    if args.control:
+        md = f"{CONTROL_NOTE}\n\n{md}"
     (args.out / "bench.json").write_text(json.dumps(
-        {"measurements": measurements, "summary": summary, "met": met(summary["ratios"]),
-         "seconds": time.monotonic() - t0}, indent=1, default=str))
+        {"control": args.control, "measurements": measurements, "summary": summary,
+         "met": met(summary["ratios"]), "seconds": time.monotonic() - t0}, indent=1,
+        default=str))
     (args.out / "bench.md").write_text(md)
-    plotted = plot(summary["ratios"], args.out / "bench.png")
+    plotted = plot(summary["ratios"], args.out / "bench.png", control=args.control)
     print()
     print(md)
     if not args.no_readme and update_readme(md):
@@ -668,8 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     if noise:
         print(noise)
     if args.control:
-        print("control run: the 'ours' side below is a second raw vLLM, so each ratio is "
-              "what two identical servers score")
+        print(CONTROL_NOTE)
     print(last_line(summary["ratios"]))
     return 0
 
