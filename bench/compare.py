@@ -2,9 +2,9 @@
 
 ``python -m bench.compare [--out bench/results] [--seed 0] [--no-readme] [--control]``
 
-Three servers start one after another on the tiny Phi-3-vision (``models/phi-3-vision-tiny``)
-with the engine arguments of one :class:`~serve.settings.Settings` (``PHI3V_*`` variables
-apply):
+Four servers (three with ``--control``, below) start one after another on the tiny
+Phi-3-vision (``models/phi-3-vision-tiny``) with the engine arguments of one
+:class:`~serve.settings.Settings` (``PHI3V_*`` variables apply):
 
 - **ours**: ``python -m serve`` with default settings;
 - **raw**: vLLM's own OpenAI server, ``python -m vllm.entrypoints.openai.api_server`` with
@@ -16,7 +16,7 @@ apply):
   identical servers differ here (``raw2/raw``, ideally 1.00): the noise floor against which
   our cost is read.
 
-All four stay up (an idle server uses ~0.02 cores) and the workloads of
+All stay up (an idle server uses ~0.02 cores) and the workloads of
 :mod:`bench.workloads` alternate between them, swapping the order each time, so a slow spell of
 the machine hits both sides alike. Each side gets byte-identical requests; images are
 distinct within a server run, so no cache helps except where the workload re-sends them (W3).
