@@ -59,6 +59,31 @@ def check_step_budget(settings: Settings) -> str | None:
     return None
 
 
+#: Open files the process needs besides client connections: model files, the engine's
+#: sockets and pipes, image URL fetches, logs, with room for GPU runtimes' own.
+RESERVED_FILES = 1024
+
+
+def raise_open_file_limit(settings: Settings) -> str | None:
+    """Raise the soft open-file limit (``ulimit -n``) to hold ``--max-connections`` plus
+    :data:`RESERVED_FILES` when it is lower, up to the hard limit; a user-facing message when
+    the hard limit is too low, else ``None``. Above the limit the cap would never be reached:
+    ``accept()`` would fail first (EMFILE) and asyncio stop accepting for a while."""
+    import resource
+
+    need = settings.max_connections + RESERVED_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return None
+    if hard != resource.RLIM_INFINITY and hard < need:
+        return (f"--max-connections {settings.max_connections} needs {need} open files "
+                f"({RESERVED_FILES} besides the connections) but the hard limit is {hard}: "
+                f"lower --max-connections to at most {max(hard - RESERVED_FILES, 1)} or raise "
+                "the limit (ulimit -Hn; Docker/compose: ulimits.nofile).")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return None
+
+
 def configure_logging(level: str) -> None:
     """Our ``serve.*`` loggers get their own handler: vLLM re-applies its logging dictConfig
     while the engine starts, which resets the root logger's handlers."""
@@ -74,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = CliApp.run(Settings, cli_args=argv if argv is not None else sys.argv[1:])
     # Hardware defaults resolved once, here; every later `resolved()` returns this object.
     settings = settings.resolved()
-    problem = check_model_dir(settings) or check_step_budget(settings)
+    problem = (check_model_dir(settings) or check_step_budget(settings)
+               or raise_open_file_limit(settings))
     try:
         RouteTable(settings.open_routes)
     except ValueError as exc:
@@ -92,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from serve.app import create_app
-    from serve.http_limits import bounded_head_protocol
+    from serve.http_limits import ConnectionLimits, bounded_http_protocol
     from serve.lifecycle import DrainingServer
 
     server: DrainingServer | None = None
@@ -109,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     # covers the engine requests aborted by that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, timeout_graceful_shutdown=5,
-                            lifespan="on", http=bounded_head_protocol(
-                                settings.max_header_bytes, app.count_head_refused))
+                            lifespan="on",
+                            timeout_keep_alive=settings.http_keep_alive_timeout_s,
+                            http=bounded_http_protocol(ConnectionLimits.from_settings(settings),
+                                                       app.count_refused))
     server = DrainingServer(config, lambda: app.drain(settings.drain_timeout_s))
     server.run()
     return 1 if failed else 0

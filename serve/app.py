@@ -165,10 +165,12 @@ class Gateway:
             await openai_error(500, "internal server error", type_="server_error")(
                 scope, receive, send)
 
-    def count_head_refused(self) -> None:
-        """Count a request refused below the app for its head size (431,
-        ``serve.http_limits``): its path is unknown, so its route label is ``other``."""
-        self.metrics.http_responses.labels(route="other", code="431").inc()
+    def count_refused(self, status: int, path: str | None = None) -> None:
+        """Count an answer written below the app by ``serve.http_limits`` (431 head too
+        large, 408 request too slow, 503 at the connection cap); ``path`` None (the head was
+        not read) counts as route ``other``."""
+        self.metrics.http_responses.labels(route=http_metrics.route_label(path or ""),
+                                           code=str(status)).inc()
 
     def _unavailable(self) -> Response:
         phase = self.state.phase
@@ -279,7 +281,8 @@ class Gateway:
             self.intake.wrap,  # validation, images, prompt length, request ids
             # the live max_num_seqs, goodput accounting
             lambda inner: self.admission.wrap(inner, self.state.engine_alive),
-            StreamGuardMiddleware,  # one error event, never a silent cut
+            # one error event, never a silent cut
+            lambda inner: StreamGuardMiddleware(inner, self.settings.responses_incomplete_event),
         ]
 
     async def watch_engine(self) -> None:

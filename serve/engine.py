@@ -17,6 +17,7 @@ import os
 from argparse import Namespace
 from typing import TYPE_CHECKING, Any
 
+from serve.errors import use_client_field_names
 from serve.settings import Settings
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,7 +134,8 @@ async def start_engine(settings: Settings, stat_loggers: list | None = None) -> 
 
 
 async def build_openai_app(engine: "AsyncLLM", settings: Settings) -> "FastAPI":
-    """vLLM's own OpenAI-compatible FastAPI app, wired to ``engine``."""
+    """vLLM's own OpenAI-compatible FastAPI app, wired to ``engine``, its request-validation
+    errors naming the field the client sent (``serve.errors.use_client_field_names``)."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
@@ -141,6 +143,7 @@ async def build_openai_app(engine: "AsyncLLM", settings: Settings) -> "FastAPI":
     supported_tasks = await engine.get_supported_tasks()
     app = build_app(args, supported_tasks, engine.model_config)
     drop_http_instrumentation(app)
+    use_client_field_names(app)  # validation errors name the field the client sent
     await init_app_state(engine, app.state, args, supported_tasks)
     return app
 

@@ -18,6 +18,7 @@ autoscalers use them (``monitoring/README.md`` lists them; a test keeps the two 
 | ``phi3v_request_ttft_seconds`` | histogram | seconds | admission middleware |
 | ``phi3v_request_images`` | histogram | images | admission middleware |
 | ``phi3v_pending_requests`` | gauge | requests | read from the limiter at scrape |
+| ``phi3v_queued_requests`` | gauge | requests | read from limiter + engine stats at scrape |
 | ``phi3v_running_requests`` | gauge | requests | read from the limiter at scrape |
 | ``phi3v_max_num_seqs`` | gauge | requests | read from the limiter at scrape |
 | ``phi3v_max_num_seqs_ceiling`` | gauge | requests | admission service, at start |
@@ -99,6 +100,13 @@ class Metrics:
         self.pending = Gauge("phi3v_pending_requests",
                              "Requests queued at the gateway, waiting for an engine slot.",
                              registry=r)
+        # The replica's whole queue, the one a router or an autoscaler must read: admission
+        # holds requests at the gateway, so vLLM's own vllm:num_requests_waiting stays near 0
+        # while requests wait here (deploy/k8s/helm/inferencepool-values.yaml, api.yaml's KEDA).
+        self.queued = Gauge("phi3v_queued_requests",
+                            "Requests waiting for the engine on this replica: the gateway's "
+                            "admission queue (phi3v_pending_requests) plus vLLM's waiting "
+                            "queue (vllm:num_requests_waiting), requests.", registry=r)
         self.running = Gauge("phi3v_running_requests",
                              "Requests admitted into the engine and not finished (in flight).",
                              registry=r)
@@ -150,7 +158,8 @@ class Metrics:
         for route in GENERATION_ROUTES:
             for code in INITIAL_CODES:
                 self.http_responses.labels(route=route, code=code)
-        self.http_responses.labels(route="other", code="431")  # refused below the app
+        for code in ("408", "431", "503"):  # answered below the app (serve.http_limits)
+            self.http_responses.labels(route="other", code=code)
         for direction in ("up", "down", "hold"):
             for reason in DECISION_REASONS:
                 self.decisions.labels(direction=direction, reason=reason)

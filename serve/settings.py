@@ -26,6 +26,19 @@ Device = Literal["cpu", "cuda"]
 DEFAULT_TINY_MODEL_DIR = "models/phi-3-vision-tiny"
 #: Hugging Face id of the real model; the served model name when serving real weights.
 REAL_MODEL_ID = "microsoft/Phi-3-vision-128k-instruct"
+#: Seconds an idle upstream (proxy to API) connection stays open in the proxies that may front
+#: the API, by default or fixed: the API's keep-alive (``http_keep_alive_timeout_s``) must
+#: outlast each, so the proxy closes an idle connection before the server does. Sources:
+#: Envoy's timeouts FAQ (HTTP ``idle_timeout``, 1 hour unless set: Istio, Envoy Gateway and
+#: kgateway, the Inference Extension's gateways), Google Cloud's request-distribution page
+#: (backend keep-alive fixed at 600 s: GKE Gateway), AWS ALB's idle timeout, nginx's upstream
+#: ``keepalive_timeout`` (since 1.15.3).
+FRONT_PROXY_IDLE_TIMEOUTS_S = {
+    "Envoy upstream idle_timeout (default)": 3600,
+    "Google Cloud load balancer backend keep-alive (fixed)": 600,
+    "AWS Application Load Balancer idle timeout (default)": 60,
+    "nginx upstream keepalive_timeout (default)": 60,
+}
 
 
 def detect_device() -> Device:
@@ -189,6 +202,49 @@ class Settings(BaseSettings):
         description="Largest request head (request line and headers), bytes; larger is 431. "
         "Counted as it arrives, so a huge header is never buffered.",
     )
+    # Connection limits below the app (serve/http_limits.py); README "Connection limits".
+    max_connections: int = Field(
+        2048, ge=1,
+        description="Most open client connections. At the cap a new connection closes the "
+        "idle one nearest its idle timeout (silent since it opened, or between requests); "
+        "with none idle it gets a 503 and is closed. 2048: above the most requests one GPU "
+        "replica holds (2 x max_num_seqs 256 admitted + --max-queue 256) plus proxies' idle "
+        "pools (Envoy's default circuit breaker: 1024 connections per cluster). The "
+        "open-file limit is raised to fit it at start.",
+    )
+    http_first_request_timeout_s: float = Field(
+        10.0, gt=0,
+        description="Seconds a new connection may send nothing; then it is closed without an "
+        "answer (there is no request to answer). Clients and proxies send their request as "
+        "soon as they connect.",
+    )
+    http_head_timeout_s: float = Field(
+        20.0, gt=0,
+        description="Seconds from the first byte of a request to the end of its head (request "
+        "line and headers); later is 408 and the connection closed. 20: Apache "
+        "mod_reqtimeout's default; an honest head arrives in one round trip.",
+    )
+    http_body_timeout_s: float = Field(
+        20.0, gt=0,
+        description="Seconds to receive a request body, plus one second per "
+        "--http-body-min-rate-bytes-s bytes received (Apache mod_reqtimeout's body=20,"
+        "MinRate=500); later is 408 and the connection closed. Time the server does not read "
+        "does not count, nor does the response: only receiving the request.",
+    )
+    http_body_min_rate_bytes_s: int = Field(
+        500, ge=1,
+        description="Slowest body a client may send, bytes per second: one that keeps this "
+        "average never reaches --http-body-timeout-s. 500: Apache mod_reqtimeout's MinRate "
+        "(a 10 MiB image as base64 may take 7.8 hours).",
+    )
+    http_keep_alive_timeout_s: float = Field(
+        3620.0, gt=0,
+        description="Seconds an idle connection stays open between requests (uvicorn's "
+        "timeout_keep_alive, 5 by default). Above the idle timeout of every proxy that may "
+        "front the API (FRONT_PROXY_IDLE_TIMEOUTS_S: Envoy 3600, GCP load balancers 600, AWS "
+        "ALB 60, nginx 60), so a proxy never reuses a connection the server is closing "
+        "(a reset, then a 502). Idle connections are the first closed at --max-connections.",
+    )
     max_n: int = Field(
         1, ge=1, description="Most choices (n) per request; each is a full generation."
     )
@@ -198,6 +254,13 @@ class Settings(BaseSettings):
         "max_completion_tokens (max_output_tokens of a Responses request), clamped to what "
         "max_model_len leaves after the prompt "
         "(without it vLLM generates until the context is full).",
+    )
+    responses_incomplete_event: Literal["completed", "incomplete"] = Field(
+        "completed",
+        description="Event that ends a Responses stream cut by max_output_tokens (its "
+        "response says status incomplete either way): 'completed' (vLLM's, and the one the "
+        "openai SDK 3.57's responses.stream().get_final_response() accepts) or 'incomplete' "
+        "(OpenAI's reference and API; that SDK helper then raises). Sources in serve/sse.py.",
     )
     max_num_crops: int = Field(
         16, ge=1, le=16,

@@ -8,6 +8,27 @@
   (answer cut by ``max_output_tokens``), an error is ``error`` or ``response.failed``
   (OpenAI Responses streaming reference; the SDK yields a ``ResponseErrorEvent``).
 
+**The end of a cut Responses answer**: the server's ``--responses-incomplete-event``, one of
+:data:`INCOMPLETE_EVENTS` (the stream guard names the event). Its response says ``status:
+"incomplete"`` and ``incomplete_details.reason: "max_output_tokens"`` either way; only the
+event's name differs.
+
+- ``completed`` (default): ``response.completed``, as vLLM 0.32 sends it. The pinned
+  ``openai`` SDK (3.57) stores the final response of ``client.responses.stream(...)`` only
+  on ``response.completed`` (``openai/lib/streaming/responses/_responses.py``,
+  ``ResponseStreamState.accumulate_event``); on any other end ``get_final_response()`` raises
+  ``RuntimeError: Didn't receive a `response.completed` event.``, so with this name the
+  helper returns every cut answer, and a client that ends on ``response.completed`` alone
+  (as LangChain did until langchain-ai/langchain#33871) ends and finds the usage. A client
+  that follows the reference tells a cut answer by ``response.status``.
+- ``incomplete``: ``response.incomplete``, the event OpenAI's reference names for it
+  (platform.openai.com/docs/api-reference/responses-streaming/response/incomplete) and the
+  one OpenAI's API sends for a ``max_output_tokens`` cut (openai/openai-python#3263,
+  langchain-ai/langchain#33840), for clients that branch on the event name (the ``openai``
+  Node SDK's accumulator ends on either, as openai/openai-python#3538 notes). The pinned
+  Python SDK's ``get_final_response()`` then raises on every cut answer, as it does against
+  OpenAI's API, until openai/openai-python#3538 (open) ships; iterating the events works.
+
 vLLM writes compact JSON in which a newline never occurs unescaped, so a marker at the start
 of an event (or after a newline) cannot come from answer text.
 """
@@ -81,6 +102,9 @@ def _holds(data: bytes, prefixes: tuple[bytes, ...]) -> bool:
     return False
 
 
+#: Names a Responses stream cut by ``max_output_tokens`` may end with (``response.<name>``),
+#: the default first (module docstring; ``Settings.responses_incomplete_event``).
+INCOMPLETE_EVENTS = ("completed", "incomplete")
 #: The last bytes of a chat stream that ended normally.
 CHAT_END = b"data: [DONE]\n\n"
 CHAT_SSE = SseDialect(CHAT, (CHAT_END.rstrip(),), (), chunks=True)

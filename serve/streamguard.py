@@ -14,8 +14,10 @@ vLLM's app:
   an error gets one error event.
 - A chunk that carries nothing (an empty ``content`` delta with no role, no finish reason),
   which vLLM sends after the role chunk when ``stop`` is set, is dropped.
-- A Responses stream cut by ``max_output_tokens`` ends with ``response.incomplete`` (vLLM
-  names it ``response.completed`` whatever the status).
+- A Responses stream cut by ``max_output_tokens`` ends with the event the server's
+  ``--responses-incomplete-event`` names: ``response.completed`` (the default) or
+  ``response.incomplete`` (why each: ``serve.sse``). vLLM 0.32 sends ``response.completed``
+  whatever the status; its response says ``status: incomplete`` either way.
 
 Every ``text/event-stream`` response also gets ``Cache-Control: no-cache`` and
 ``X-Accel-Buffering: no`` (:data:`SSE_HEADERS`).
@@ -30,7 +32,7 @@ import re
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.asgi import ResponseChannel, response_channel
-from serve.sse import CHAT_END, SseDialect, dialect, is_event_stream
+from serve.sse import CHAT_END, INCOMPLETE_EVENTS, SseDialect, dialect, is_event_stream
 
 log = logging.getLogger("serve.streamguard")
 
@@ -77,9 +79,11 @@ def ordinary_chunk(chunk: bytes) -> bool:
 class _Stream:
     """State of one SSE response passing through the guard."""
 
-    def __init__(self, send: Send, sse: SseDialect) -> None:
+    def __init__(self, send: Send, sse: SseDialect,
+                 incomplete_event: str = INCOMPLETE_EVENTS[0]) -> None:
         self.send = send
         self.sse = sse
+        self.incomplete_event = incomplete_event
         self.buffer = b""
         self.closed = False  # an error event was sent, or the normal end
         self.events = 0  # events sent (the next Responses sequence_number)
@@ -108,8 +112,8 @@ class _Stream:
     async def _event(self, event: bytes) -> None:
         if not self.sse.chunks:  # Responses API: typed events
             self.closed = event.startswith(self.sse.done + self.sse.error)
-            if event.startswith(COMPLETED_EVENT):
-                event = incomplete_as_such(event)
+            if event.startswith(END_EVENTS):
+                event = incomplete_end_as(event, self.incomplete_event)
             await self.emit(event)
             return
         payload = event.strip()
@@ -142,21 +146,28 @@ class _Stream:
         await self.emit(event)
 
 
-COMPLETED_EVENT = b"event: response.completed\n"
+#: The events that end a Responses answer normally, as vLLM writes their first line.
+END_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n")
 
 
-def incomplete_as_such(event: bytes) -> bytes:
-    """A ``response.completed`` event whose response is ``incomplete`` (cut by
-    ``max_output_tokens``), renamed ``response.incomplete`` as the OpenAI Responses streaming
-    reference names it (vLLM 0.32 sends ``response.completed`` for both). Once per stream."""
+def incomplete_end_as(event: bytes, name: str) -> bytes:
+    """The end event of a Responses stream (one of :data:`END_EVENTS`) with the event name
+    ``response.<name>`` when its response is ``incomplete`` (cut by ``max_output_tokens``),
+    ``name`` being one of :data:`serve.sse.INCOMPLETE_EVENTS` (the choice and its sources are
+    in ``serve.sse``). A completed response's event, and an event that is not JSON, pass
+    unchanged. Runs once per stream."""
+    head, _, payload = event.partition(b"\n")
     try:
-        data = json.loads(event[len(COMPLETED_EVENT):].strip().removeprefix(b"data: "))
+        data = json.loads(payload.strip().removeprefix(b"data: "))
     except ValueError:
         return event
     if not isinstance(data, dict) or (data.get("response") or {}).get("status") != "incomplete":
         return event
-    data["type"] = "response.incomplete"
-    return b"event: response.incomplete\ndata: " + json.dumps(data).encode() + b"\n\n"
+    wanted = f"response.{name}"
+    if head == f"event: {wanted}".encode() and data.get("type") == wanted:
+        return event
+    data["type"] = wanted
+    return f"event: {wanted}\ndata: ".encode() + json.dumps(data).encode() + b"\n\n"
 
 
 def empty_delta(data) -> bool:
@@ -187,11 +198,13 @@ class _Guard:
     """The guard of one response: the gate of its :class:`~serve.asgi.ResponseChannel`
     (a token chunk passes in :meth:`passes`, a plain call; the rest is :meth:`handle`d)."""
 
-    __slots__ = ("channel", "sse", "stream", "finished")
+    __slots__ = ("channel", "sse", "incomplete_event", "stream", "finished")
 
-    def __init__(self, channel: ResponseChannel, sse: SseDialect) -> None:
+    def __init__(self, channel: ResponseChannel, sse: SseDialect,
+                 incomplete_event: str = INCOMPLETE_EVENTS[0]) -> None:
         self.channel = channel
         self.sse = sse
+        self.incomplete_event = incomplete_event
         self.stream: _Stream | None = None  # an SSE answer with status 200
         self.finished = False  # its last message was sent
 
@@ -211,7 +224,8 @@ class _Guard:
             if is_event_stream(message):
                 message = {**message, "headers": no_buffering(message.get("headers") or [])}
                 if message.get("status") == 200:
-                    self.stream = _Stream(self.channel.deliver, self.sse)
+                    self.stream = _Stream(self.channel.deliver, self.sse,
+                                          self.incomplete_event)
             await self.channel.deliver(message)
         elif message["type"] == "http.response.body" and stream is not None:
             await stream.feed(message.get("body", b""))
@@ -226,17 +240,30 @@ class _Guard:
 class StreamGuardMiddleware:
     """Enforces the stream-error rule (module docstring) on ``text/event-stream`` responses:
     the gate of the response's channel (``serve.asgi.ResponseChannel``), so a token costs no
-    coroutine layer of its own."""
+    coroutine layer of its own.
 
-    def __init__(self, app: ASGIApp) -> None:
+    Args:
+        app: the next ASGI app (vLLM's).
+        incomplete_event: how a Responses stream cut by ``max_output_tokens`` ends, one of
+            :data:`serve.sse.INCOMPLETE_EVENTS` (``--responses-incomplete-event``).
+
+    Raises:
+        ValueError: an ``incomplete_event`` not in :data:`serve.sse.INCOMPLETE_EVENTS`.
+    """
+
+    def __init__(self, app: ASGIApp, incomplete_event: str = INCOMPLETE_EVENTS[0]) -> None:
+        if incomplete_event not in INCOMPLETE_EVENTS:
+            raise ValueError(f"incomplete_event must be one of {INCOMPLETE_EVENTS}; "
+                             f"got {incomplete_event!r}")
         self.app = app
+        self.incomplete_event = incomplete_event
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         channel = response_channel(send)
-        guard = _Guard(channel, dialect(scope.get("path")))
+        guard = _Guard(channel, dialect(scope.get("path")), self.incomplete_event)
         channel.gate(guard)
         try:
             await self.app(scope, receive, channel)

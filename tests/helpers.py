@@ -98,3 +98,60 @@ def start_server(extra_args: list[str] | None = None, env: dict[str, str] | None
 def stop_server(server: Server) -> None:
     """Stop a server started by :func:`start_server` (30 s grace)."""
     stop_process(server, 30)
+
+
+class ImagePeer:
+    """An outside image server for the ``--image-urls`` tests, on 127.0.0.2 (the address the
+    tests exempt with ``allowed_networks``), a thread per connection. Paths: ``/img.png``
+    serves ``png``; ``/hang...`` reads the request and never answers (until the client
+    leaves); ``/drip...`` sends the headers, then one byte every 0.1 s. :attr:`base` is its
+    ``http://127.0.0.2:<port>``; :meth:`close` stops it."""
+
+    def __init__(self, png: bytes) -> None:
+        import http.server
+        import threading
+        import time
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                if self.path.startswith("/img.png"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "image/png")
+                    self.send_header("Content-Length", str(len(png)))
+                    self.end_headers()
+                    self.wfile.write(png)
+                elif self.path.startswith("/hang"):
+                    self.connection.settimeout(60)
+                    try:
+                        self.connection.recv(1)  # returns when the client closes
+                    except OSError:
+                        pass
+                elif self.path.startswith("/drip"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "image/png")
+                    self.send_header("Content-Length", str(len(png)))
+                    self.end_headers()
+                    try:
+                        for byte in png[:600]:
+                            self.wfile.write(bytes([byte]))
+                            self.wfile.flush()
+                            time.sleep(0.1)
+                    except OSError:
+                        pass  # the client gave up
+                else:
+                    self.send_error(404)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.2", 0), Handler)
+        self.server.daemon_threads = True
+        self.server.request_queue_size = 64  # a burst of fetches connects at once
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base = f"http://127.0.0.2:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -29,16 +29,27 @@ def main(argv: list[str] | None = None) -> None:
         # header logins must be judged on the TCP peer (the proxy) itself.
         os.environ["FORWARDED_ALLOW_IPS"] = ""
 
-    from ui.auth import ensure_auth_secret
+    # The login cookie's SameSite, read by Chainlit when imported (ui/README.md: why Lax).
+    os.environ["CHAINLIT_COOKIE_SAMESITE"] = "lax"
+
+    from ui.auth import ensure_auth_secret, login_summary
 
     ensure_auth_secret(settings.auth_secret_file)
+
+    # The store's schema to its newest revision (ui/db.py) before serving, so that a failed
+    # upgrade stops the UI here: Chainlit's on_app_startup would log it and serve anyway.
+    import asyncio
+
+    from ui import db
+
+    asyncio.run(db.upgrade(settings.database_url))
 
     from chainlit.cli import run_chainlit
     from chainlit.config import config
 
     config.run.headless = True  # never try to open a browser
     print(f"UI: http://{settings.host}:{settings.port}  (API {settings.api_base_url}; "
-          f"login {settings.demo_user!r})", flush=True)
+          f"{login_summary(settings)})", flush=True)
     run_chainlit(str(UI_DIR / "app.py"))
 
 

@@ -82,7 +82,11 @@ class ApiClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=headers, transport=transport,
             timeout=httpx.Timeout(connect=settings.connect_timeout_s,
-                                  read=settings.read_timeout_s, write=60.0, pool=10.0))
+                                  read=settings.read_timeout_s, write=60.0, pool=10.0),
+            # httpx's default pool sizes, with our keep-alive expiry (its default, 5 s,
+            # equalled uvicorn's keep-alive: a race to close an idle connection).
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                keepalive_expiry=settings.api_keep_alive_s))
         self._limits: ServerLimits | None = None
         self._limits_at = 0.0
 

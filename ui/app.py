@@ -5,7 +5,8 @@ Run with ``python -m ui`` (``make ui``). The UI talks to the API only over HTTP
 Helpers, one job each: image intake (:mod:`ui.images`), history and its old-image policy
 (:mod:`ui.history`), readable errors (:mod:`ui.errors`), per-answer statistics
 (:mod:`ui.stats`), persisted images (:mod:`ui.storage`), database schema (:mod:`ui.db`), login
-(:mod:`ui.auth`), settings (:mod:`ui.settings`). Design notes: ``ui/README.md``.
+(:mod:`ui.auth`), which pages may use a login (:mod:`ui.origins`), settings
+(:mod:`ui.settings`). Design notes: ``ui/README.md``.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import uuid
 from pathlib import Path
 
 if str(Path(__file__).resolve().parent.parent) not in sys.path:  # `chainlit run ui/app.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import chainlit as cl
+import chainlit.auth.cookie as chainlit_cookie
 import chainlit.server as chainlit_server
+from chainlit.auth import get_current_user, get_token_from_cookies
 from chainlit.config import SpontaneousFileUploadFeature
 from chainlit.config import config as chainlit_config
 from chainlit.data import get_data_layer
@@ -27,8 +31,9 @@ from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
 from chainlit.input_widget import NumberInput, Slider
 from chainlit.server import app as chainlit_app
 from fastapi import HTTPException
+from starlette.requests import cookie_parser
 
-from ui import auth, db, history, images, uploads
+from ui import auth, db, history, images, origins, uploads
 from ui.api import ApiClient, ServerLimits, Token, Usage
 from ui.errors import ApiError
 from ui.history import ANSWER_KEY, Conversation, HistoryImage, Turn
@@ -53,6 +58,18 @@ add_file_route(chainlit_app, storage,
                owner_of=lambda key: db.element_owner(get_data_layer(), key))
 chainlit_app.add_middleware(EmptyUploadGuard)
 chainlit_app.add_middleware(auth.ClientAddress)
+# Which pages may use a login (ui/origins.py): the UI's own and PHI3V_UI_ALLOWED_ORIGINS, over
+# HTTP (CORS) and the websocket (engineio's Origin check, which Chainlit turns off).
+origins.restrict_cors(chainlit_app, settings.allowed_origins)
+chainlit_server.sio.eio.cors_allowed_origins = origins.socket_origin_check(
+    settings.allowed_origins)
+# Chainlit marks its cookies Secure only with SameSite=None (CHAINLIT_COOKIE_SAMESITE=none), which
+# would send the login along with other sites' requests; the UI keeps Lax (ui/__main__.py) and
+# sets Secure itself. The module reads the flag at each Set-Cookie.
+if not hasattr(chainlit_cookie, "_cookie_secure"):  # a Chainlit upgrade renamed it
+    raise RuntimeError("chainlit.auth.cookie has no _cookie_secure: PHI3V_UI_COOKIE_SECURE "
+                       "cannot apply (ui/app.py)")
+chainlit_cookie._cookie_secure = settings.cookie_secure
 
 
 # --- helpers used by the handlers -------------------------------------------------------------
@@ -192,7 +209,6 @@ def data_layer() -> SQLAlchemyDataLayer:
 
 @cl.on_app_startup
 async def on_startup() -> None:
-    await db.create_schema(settings.database_url)
     try:
         await server_limits()
     except ApiError as exc:  # the API may start after the UI (make demo): retried per chat
@@ -253,22 +269,53 @@ def register_login() -> None:
                            metadata={**default_user.metadata, "provider": provider_id})
 
 
+async def thread_author(thread_id: str) -> str | None:
+    """The identifier of the user who owns the thread (None: no such thread)."""
+    try:
+        return await get_data_layer().get_thread_author(thread_id)
+    except ValueError:
+        return None
+
+
 async def thread_author_or_404(username: str, thread_id: str) -> bool:
     """Chainlit's thread ownership check (``chainlit.data.acl.is_thread_author``), answering
     another user's thread like a missing one: 404 (Chainlit's own says 401 "Unauthorized",
     which tells that the thread exists; for a missing one it fails with a 500)."""
-    try:
-        author = await get_data_layer().get_thread_author(thread_id)
-    except ValueError:
-        author = None
-    if author != username:
+    if await thread_author(thread_id) != username:
         raise HTTPException(status_code=404, detail="Not found")
     return True
+
+
+async def socket_user(environ: dict) -> str | None:
+    """The identifier of the user whose login cookie a socket handshake carries, or None."""
+    token = get_token_from_cookies(cookie_parser(environ.get("HTTP_COOKIE", "")))
+    try:
+        user = await get_current_user(token=token) if token else None
+    except HTTPException:  # a token that does not verify
+        return None
+    return user.identifier if user else None
 
 
 register_login()
 # Every route of Chainlit's server that takes a thread or element id checks its owner here.
 chainlit_server.is_thread_author = thread_author_or_404
+chainlit_connect = chainlit_server.sio.handlers["/"]["connect"]
+
+
+@chainlit_server.sio.on("connect")
+async def connect(sid: str, environ: dict, auth: dict | None):
+    """Chainlit's socket connect, with another user's thread (the URL ``/thread/<id>``)
+    opened like a missing one. Chainlit refuses such a handshake, which tells that the
+    thread exists and leaves the page saying "Could not reach the server" until a reload; a
+    missing thread opens a new chat. So the foreign id is swapped for a new random one that
+    names no thread, and Chainlit takes its path for a missing thread: a new chat of the
+    user's own, nothing of the other thread read or written."""
+    thread_id = (auth or {}).get("threadId")
+    if thread_id:
+        author = await thread_author(thread_id)
+        if author is not None and author != await socket_user(environ):
+            auth = {**auth, "threadId": str(uuid.uuid4())}
+    return await chainlit_connect(sid, environ, auth)
 
 
 async def quota_refusal(message: cl.Message) -> str | None:

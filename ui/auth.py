@@ -130,6 +130,18 @@ def header_user(headers: Mapping[str, str], address: str, settings: UISettings) 
     return name if name and len(name) <= 256 and name.isprintable() else None
 
 
+def login_summary(settings: UISettings) -> str:
+    """Where logins come from, in a few words (the start banner of ``python -m ui``)."""
+    if settings.accounts == "demo":
+        return f"login {settings.demo_user!r}"
+    if settings.accounts == "users-file":
+        return f"accounts from {settings.users_file}"
+    if settings.accounts == "header":
+        return (f"user name from the {settings.auth_header} header of "
+                f"{', '.join(settings.trusted_proxies)}")
+    return f"OAuth login, {len(settings.oauth_allowed)} entries in PHI3V_UI_OAUTH_ALLOWED"
+
+
 def oauth_allowed(identifier: str, allowed: list[str]) -> bool:
     """Whether the OAuth user ``identifier`` (the provider's e-mail or login) may log in:
     it is in ``allowed``, or ``allowed`` holds its e-mail domain as ``@domain``. An empty

@@ -1,125 +1,96 @@
-"""The conversation store's schema, created at start (Chainlit creates no tables).
+"""The conversation store: its schema, versioned by Alembic, and the queries of ours.
 
-The tables are those Chainlit's ``SQLAlchemyDataLayer`` (2.12) reads and writes: ``users``,
-``threads``, ``steps``, ``elements``, ``feedbacks``, as in Chainlit's documented PostgreSQL
-schema (docs: Data layers → SQLAlchemy) plus the newer ``steps`` columns the 2.12 code writes
-(``command``, ``defaultOpen``, ``autoCollapse``, ``modes``), and ``elements.props`` defaults to
-``{}``: the data layer leaves it out of the row of an element without props and then fails
-reading it back (``json.loads(None)``: a 500 for ``GET /project/thread/<id>/element/<id>``).
-One DDL serves both databases:
-PostgreSQL gets ``UUID``/``JSONB``/``TEXT[]``; SQLite, which has none of these, gets ``TEXT``
-(the data layer already parses JSON it reads back as text). Every statement is
-``CREATE TABLE IF NOT EXISTS``: running it on an existing store changes nothing.
+Chainlit creates no tables, and a Chainlit release may read and write new columns. The schema
+is therefore a chain of Alembic revisions in ``ui/migrations/versions`` (``0001``: the tables
+Chainlit 2.12's ``SQLAlchemyDataLayer`` uses, on SQLite and PostgreSQL); the UI brings the
+store to the newest revision at every start (:func:`upgrade`), and the same runs as a command
+(``ui/README.md``: Persistence). A store created before there were revisions is adopted by
+``0001`` as it is.
+
+An upgrade is one transaction that first takes the store's migration lock: on PostgreSQL an
+advisory lock, on SQLite the file's write lock (``BEGIN IMMEDIATE``; Python's ``sqlite3``
+would otherwise run DDL outside any transaction). So replicas starting together upgrade one
+after the other, and an upgrade that fails changes nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import create_async_engine
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event, pool, text
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS users (
-    "id" {uuid} PRIMARY KEY,
-    "identifier" TEXT NOT NULL UNIQUE,
-    "metadata" {json} NOT NULL,
-    "createdAt" TEXT
-);
-CREATE TABLE IF NOT EXISTS threads (
-    "id" {uuid} PRIMARY KEY,
-    "createdAt" TEXT,
-    "name" TEXT,
-    "userId" {uuid},
-    "userIdentifier" TEXT,
-    "tags" {text_array},
-    "metadata" {json},
-    FOREIGN KEY ("userId") REFERENCES users("id") ON DELETE CASCADE
-);
-CREATE TABLE IF NOT EXISTS steps (
-    "id" {uuid} PRIMARY KEY,
-    "name" TEXT NOT NULL,
-    "type" TEXT NOT NULL,
-    "threadId" {uuid} NOT NULL,
-    "parentId" {uuid},
-    "streaming" BOOLEAN NOT NULL,
-    "waitForAnswer" BOOLEAN,
-    "isError" BOOLEAN,
-    "metadata" {json},
-    "tags" {text_array},
-    "input" TEXT,
-    "output" TEXT,
-    "createdAt" TEXT,
-    "command" TEXT,
-    "start" TEXT,
-    "end" TEXT,
-    "generation" {json},
-    "showInput" TEXT,
-    "language" TEXT,
-    "indent" INT,
-    "defaultOpen" BOOLEAN,
-    "autoCollapse" BOOLEAN,
-    "modes" {json},
-    FOREIGN KEY ("threadId") REFERENCES threads("id") ON DELETE CASCADE
-);
-CREATE TABLE IF NOT EXISTS elements (
-    "id" {uuid} PRIMARY KEY,
-    "threadId" {uuid},
-    "type" TEXT,
-    "url" TEXT,
-    "chainlitKey" TEXT,
-    "name" TEXT NOT NULL,
-    "display" TEXT,
-    "objectKey" TEXT,
-    "size" TEXT,
-    "page" INT,
-    "language" TEXT,
-    "forId" {uuid},
-    "mime" TEXT,
-    "props" {json} DEFAULT '{{}}',
-    "autoPlay" BOOLEAN,
-    "playerConfig" {json},
-    FOREIGN KEY ("threadId") REFERENCES threads("id") ON DELETE CASCADE
-);
-CREATE TABLE IF NOT EXISTS feedbacks (
-    "id" {uuid} PRIMARY KEY,
-    "forId" {uuid} NOT NULL,
-    "threadId" {uuid} NOT NULL,
-    "value" INT NOT NULL,
-    "comment" TEXT,
-    FOREIGN KEY ("threadId") REFERENCES threads("id") ON DELETE CASCADE
-);
-"""
-
-TYPES = {
-    "postgresql": {"uuid": "UUID", "json": "JSONB", "text_array": "TEXT[]"},
-    "sqlite": {"uuid": "TEXT", "json": "TEXT", "text_array": "TEXT"},
-}
+#: Alembic's script directory: ``env.py``, ``alembic.ini`` and ``versions/``.
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+DIALECTS = ("sqlite", "postgresql")
+#: PostgreSQL advisory lock held by an upgrade: any fixed 64-bit key that all UI processes
+#: share and other applications of the database do not use (the bytes of "phi3v-ui").
+PG_LOCK_KEY = int.from_bytes(b"phi3v-ui", "big")
 
 
-def schema_statements(database_url: str) -> list[str]:
-    """The ``CREATE TABLE`` statements for ``database_url``'s dialect."""
-    dialect = make_url(database_url).get_backend_name()
-    if dialect not in TYPES:
-        raise ValueError(f"unsupported database {dialect!r}: use sqlite or postgresql")
-    ddl = SCHEMA.format(**TYPES[dialect])
-    return [s.strip() for s in ddl.split(";") if s.strip()]
-
-
-async def create_schema(database_url: str) -> None:
-    """Create the tables if missing (and the SQLite file's directory)."""
+def migration_engine(database_url: str) -> AsyncEngine:
+    """An engine for one upgrade of ``database_url`` (async SQLAlchemy URL): no pool, and on
+    SQLite a real transaction around DDL that takes the write lock at once (SQLAlchemy docs,
+    pysqlite/aiosqlite: "Serializable isolation / Savepoints / Transactional DDL"). Creates
+    the SQLite file's directory. Raises ``ValueError`` for another database."""
     url = make_url(database_url)
-    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_async_engine(database_url)
+    dialect = url.get_backend_name()
+    if dialect not in DIALECTS:
+        raise ValueError(f"unsupported database {dialect!r}: use sqlite or postgresql")
+    engine = create_async_engine(url, poolclass=pool.NullPool)
+    if dialect == "sqlite":
+        if url.database not in (None, "", ":memory:"):
+            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def no_driver_transactions(dbapi_connection, _record) -> None:
+            dbapi_connection.isolation_level = None
+
+        @event.listens_for(engine.sync_engine, "begin")
+        def begin_immediate(connection) -> None:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+    return engine
+
+
+async def migrate(database_url: str, run: Callable[[Connection], Any]) -> None:
+    """Call ``run`` with a connection to ``database_url`` inside one transaction holding the
+    migration lock; commit if it returns, roll back if it raises (and re-raise)."""
+    engine = migration_engine(database_url)
     try:
-        async with engine.begin() as conn:
-            for statement in schema_statements(database_url):
-                await conn.execute(text(statement))
+        async with engine.begin() as connection:
+            if connection.dialect.name == "postgresql":
+                await connection.execute(text("SELECT pg_advisory_xact_lock(:key)"),
+                                         {"key": PG_LOCK_KEY})
+            await connection.run_sync(run)
     finally:
         await engine.dispose()
+
+
+def alembic_config(database_url: str, migrations: Path = MIGRATIONS_DIR) -> Config:
+    """Alembic's configuration for ``database_url`` and the script directory ``migrations``
+    (the command reads the same from ``ui/migrations/alembic.ini``)."""
+    config = Config()
+    config.set_main_option("script_location", str(migrations))
+    config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
+    return config
+
+
+async def upgrade(database_url: str, migrations: Path = MIGRATIONS_DIR,
+                  revision: str = "head") -> None:
+    """Bring the store at ``database_url`` to ``revision`` of ``migrations`` (what the UI runs
+    at start). Raises what the failing revision raised, the store left as it was."""
+    config = alembic_config(database_url, migrations)
+
+    def run(connection: Connection) -> None:
+        config.attributes["connection"] = connection  # env.py runs on it
+        command.upgrade(config, revision)
+
+    await migrate(database_url, run)
 
 
 async def element_owner(data_layer: Any, object_key: str) -> str | None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: The ``ui/`` directory (Chainlit's app root: ``.chainlit/config.toml``, ``chainlit.md``).
@@ -58,6 +59,14 @@ class UISettings(BaseSettings):
         gt=0,
         description="Seconds to wait between two stream events (first token included) "
         "before giving up on an answer.",
+    )
+    api_keep_alive_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds an idle connection to the API is kept for the next request "
+        "(httpx keepalive_expiry). Below the API's --http-keep-alive-timeout-s (3620), so the "
+        "UI closes an idle connection before the API does and never reuses one the API is "
+        "closing (deploy/: tested).",
     )
     limits_ttl_s: float = Field(
         30.0, ge=0, description="Seconds GET /limits stays cached before it is asked again."
@@ -147,6 +156,36 @@ class UISettings(BaseSettings):
         "images would pass it is refused with the figures. Deleting a conversation deletes "
         "its images.",
     )
+
+    # --- browsers: which pages may use a login (ui/README.md: origins and the login cookie) --
+    allowed_origins: list[str] = Field(
+        [],
+        description="Origins (scheme://host[:port], as browsers send them in Origin) that may "
+        "call the UI with a user's login cookie and open its websocket, besides the UI's own "
+        "(the Host the request came to; behind a proxy, X-Forwarded-Proto/-Host): the public "
+        "origin of a proxy that rewrites Host, a JSON list. Empty: the UI's own page only.",
+    )
+    cookie_secure: bool = Field(
+        False,
+        description="Mark the login cookie Secure (browsers send it over HTTPS only): set it "
+        "when users reach the UI over HTTPS (a TLS-terminating proxy or ingress). Off by "
+        "default: make ui / make demo serve plain HTTP, where browsers would drop it (except "
+        "on localhost).",
+    )
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins_only(cls, origins: list[str]) -> list[str]:
+        """Each entry is an origin exactly as a browser writes it: a wildcard, a path or a
+        capital letter would never match (or, for ``*``, match every site)."""
+        for origin in origins:
+            parts = urlsplit(origin)
+            if (parts.scheme not in ("http", "https") or not parts.hostname
+                    or origin != f"{parts.scheme}://{parts.netloc}" or origin != origin.lower()
+                    or "@" in parts.netloc):
+                raise ValueError(f"{origin!r} is not an origin: write scheme://host[:port] in "
+                                 "lower case, without a path (e.g. https://chat.example.com)")
+        return origins
 
     def env(self) -> dict[str, str]:
         """These settings as ``PHI3V_UI_*`` variables (hand CLI flags to the Chainlit app)."""

@@ -4,7 +4,8 @@ Chainlit's ``SQLAlchemyDataLayer`` stores element *rows* in the database and ele
 through a ``BaseStorageClient``; Chainlit ships S3, GCS and Azure clients but none for a local
 disk. :class:`LocalStorageClient` is that client: files under ``PHI3V_UI_STORAGE_DIR``
 (``ui/.data/files`` by default), one per element, at ``<user id>/<element id>/<file name>``
-(the object key the data layer chooses, each segment percent-encoded on disk).
+(the object key the data layer chooses, each segment percent-encoded on disk). Deleting a file
+removes the directories it leaves empty.
 
 The browser reads them back through ``GET /ui-files/<object key>``
 (:func:`add_file_route`), which requires the Chainlit login cookie and serves a file only to
@@ -57,9 +58,15 @@ class LocalStorageClient(BaseStorageClient):
         raw = data.encode() if isinstance(data, str) else data
 
         def write() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".part")
-            tmp.write_bytes(raw)
+            for attempt in range(2):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    tmp.write_bytes(raw)
+                    break
+                except FileNotFoundError:  # a delete pruned the new directory: once more
+                    if attempt:
+                        raise
             tmp.replace(path)
 
         await asyncio.to_thread(write)
@@ -76,11 +83,23 @@ class LocalStorageClient(BaseStorageClient):
         return await asyncio.to_thread(self.path(object_key).read_bytes)
 
     async def delete_file(self, object_key: str) -> bool:
+        """Delete the file and the directories of its key that it leaves empty."""
         try:
-            await asyncio.to_thread(self.path(object_key).unlink)
+            path = self.path(object_key)
+            await asyncio.to_thread(path.unlink)
         except (FileNotFoundError, ValueError):
             return False
+        await asyncio.to_thread(self._prune, path.parent)
         return True
+
+    def _prune(self, directory: Path) -> None:
+        """Remove ``directory`` and its parents below :attr:`root` while they are empty."""
+        while directory != self.root and directory.is_relative_to(self.root):
+            try:
+                directory.rmdir()
+            except OSError:  # not empty, or another delete removed it and goes on
+                return
+            directory = directory.parent
 
     async def get_read_url(self, object_key: str) -> str:
         return f"{self.url_prefix}/{quote(object_key, safe='/')}"

@@ -233,6 +233,10 @@ class EngineStatsFeed:
     clock: Callable[[], float] = time.monotonic
     running: int = 0
     waiting: int = 0
+    #: Requests waiting in vLLM as its ``vllm:num_requests_waiting`` counts them: those
+    #: waiting for capacity (:attr:`waiting`) plus those deferred (LoRA budget, KV transfer),
+    #: the sum vLLM 0.32's Prometheus logger sets from the same scheduler stats.
+    engine_queue: int = 0
     kv_cache_usage: float = 0.0
     preemptions_total: int = 0
     #: Clock time of the last engine step reported (None: none yet).
@@ -367,6 +371,9 @@ class EngineStatsFeed:
         if scheduler_stats is not None:
             self.running = scheduler_stats.num_running_reqs
             self.waiting = scheduler_stats.num_waiting_reqs
+            # (The simulator's records, bench/sim.py, defer nothing and carry no such count.)
+            self.engine_queue = self.waiting + getattr(scheduler_stats,
+                                                       "num_skipped_waiting_reqs", 0)
             self.kv_cache_usage = scheduler_stats.kv_cache_usage
         if iteration_stats is not None:
             self._burst_prefill(now, idle_before, iteration_stats)

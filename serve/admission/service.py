@@ -51,8 +51,10 @@ class Admission:
 
     def export(self) -> None:
         """Bind the gauges to live values (read at scrape time, never stale)."""
-        lim, m = self.limiter, self.metrics
+        lim, m, feed = self.limiter, self.metrics, self.feed
         m.pending.set_function(lambda: lim.pending)
+        # The whole queue: the gateway's plus vLLM's, which holds only what admission let in.
+        m.queued.set_function(lambda: lim.pending + feed.engine_queue)
         m.running.set_function(lambda: lim.in_flight)
         m.max_num_seqs.set_function(lambda: lim.limit)
         config = self.loop.controller.config

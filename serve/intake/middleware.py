@@ -2,11 +2,12 @@
 completions, completions, Responses API): validate, fetch and normalise images, count tokens,
 then hand vLLM a clean body. A client mistake is a 4xx here and never reaches vLLM.
 
-Order inside: ``X-Request-Id`` -> JSON -> structure (``serve.intake.request`` for chat and
-completions, ``serve.intake.responses`` for the Responses API) -> images (``images``/``urls``,
-through the prepared-image cache ``cache``) -> prompt length (``budget``) -> forward with each
-image replaced by its prepared ``data:`` URL. A completions prompt is raw text without images:
-only the shared checks apply (``request_id``, ``n``).
+Order inside: ``X-Request-Id`` -> ``Content-Encoding`` (identity only, else 415) -> JSON ->
+structure (``serve.intake.request`` for chat and completions, ``serve.intake.responses`` for the
+Responses API) -> images (``images``/``urls``, through the prepared-image cache ``cache``) ->
+prompt length (``budget``) -> forward with each image replaced by its prepared ``data:`` URL.
+A completions prompt is raw text without images: only the shared checks apply (``request_id``,
+``n``).
 
 The event loop only moves bytes: parsing the multi-MB JSON, base64 decoding, image decoding
 and tokenisation run in a worker thread (one hop per request, two when an image URL has to be
@@ -96,6 +97,7 @@ class IntakeMiddleware:
         channel = response_channel(send)
         try:
             scope, header_id = unique_request_id_header(scope)
+            check_content_encoding(scope)
             body, images, request_id, tokens = await self.process(raw, protocol, header_id)
         except IntakeError as err:
             if header_id is not None:
@@ -249,6 +251,30 @@ def unique_request_id_header(scope: Scope) -> tuple[Scope, str | None]:
     rewritten = [(name, value) for name, value in headers if name != REQUEST_ID_HEADER]
     rewritten.append((REQUEST_ID_HEADER, unique.encode()))
     return {**scope, "headers": rewritten}, unique
+
+
+CONTENT_ENCODING_HEADER = b"content-encoding"
+
+
+def check_content_encoding(scope: Scope) -> None:
+    """The request body is not content-coded: a ``Content-Encoding`` other than ``identity``
+    (``gzip``, ``deflate``, ``br``, ...) is refused, never inflated. Inflating a client's body
+    would let a few KiB expand past ``--max-request-bytes`` (checked on the bytes received)
+    into gigabytes in memory (a zip bomb); the OpenAI API and vLLM take plain JSON bodies.
+
+    Raises:
+        IntakeError: 415 naming ``Content-Encoding`` and the coding, with
+            ``Accept-Encoding: identity`` (RFC 9110, section 15.5.16: a 415 caused by a
+            content coding names the codings accepted).
+    """
+    codings = [c.strip().lower() for name, value in scope.get("headers") or []
+               if name == CONTENT_ENCODING_HEADER
+               for c in _header_text(value).split(",")]
+    refused = [c for c in codings if c and c != "identity"]
+    if refused:
+        raise IntakeError(415, f"Content-Encoding {', '.join(refused)} is not supported: send "
+                          "the request body uncompressed (identity)", "Content-Encoding",
+                          headers={"Accept-Encoding": "identity"})
 
 
 def _header_text(value: bytes) -> str:

@@ -14,6 +14,7 @@ but no longer tokenises to a special token or matches the image-placeholder patt
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -129,15 +130,23 @@ def neutralise(text: str) -> str:
     return text.replace(CONTROL_PREFIX, NEUTRALISED_PREFIX)
 
 
-def check_unicode(value: Any, path: str = "") -> None:
-    """Every string of a decoded JSON body (keys and values, any depth) is valid Unicode.
+def check_values(value: Any, path: str = "") -> None:
+    """Every string of a decoded JSON body is valid Unicode and every number finite (keys and
+    values, any depth).
 
-    JSON allows a lone UTF-16 surrogate (``"\\ud800"``) that no tokenizer, encoder or
-    log can handle: vLLM answered 500 for one in ``stop``. ASCII strings (base64 images, most
-    text) are cleared by one C-level test each.
+    - JSON allows a lone UTF-16 surrogate (``"\\ud800"``) that no tokenizer, encoder or log
+      can handle: vLLM answered 500 for one in ``stop``. ASCII strings (base64 images, most
+      text) are cleared by one C-level test each.
+    - JSON has no NaN or Infinity (RFC 8259, section 6), but Python's parser reads the
+      literals ``NaN``, ``Infinity`` and ``-Infinity``, and a number beyond a double's range
+      (``1e999``) as infinity, and a NaN passes every range check (it compares false):
+      vLLM accepted ``"logit_bias": {"100": NaN}``. Refused wherever they stand, so no
+      sampling field (``temperature``, ``top_p``, penalties, ``logit_bias`` values, ...)
+      needs its own rule and nothing non-finite reaches vLLM.
 
     Raises:
-        IntakeError: 400 naming the field (``messages[0].content``, ``stop[0]``).
+        IntakeError: 400 naming the field (``messages[0].content``, ``stop[0]``,
+            ``logit_bias.100``).
     """
     if isinstance(value, str):
         if not value.isascii():
@@ -148,11 +157,15 @@ def check_unicode(value: Any, path: str = "") -> None:
                                   "surrogate)", path or None) from None
     elif isinstance(value, dict):
         for key, item in value.items():
-            check_unicode(key, path or None)
-            check_unicode(item, f"{path}.{key}" if path else key)
+            check_values(key, path or None)
+            check_values(item, f"{path}.{key}" if path else key)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            check_unicode(item, f"{path}[{i}]")
+            check_values(item, f"{path}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise IntakeError(400, f"numbers must be finite; got {value} (JSON has no NaN or "
+                          "Infinity, and this server takes no number beyond a double's range)",
+                          path or None)
 
 
 #: Accepted values of ``image_url.detail`` (OpenAI's; Phi-3-vision's resolution is set by
@@ -300,15 +313,15 @@ ANSWER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 def check_common(body: dict, limits: RequestLimits) -> None:
-    """Checks every generation route shares: valid Unicode everywhere (:func:`check_unicode`),
-    none of :data:`REFUSED_FIELDS`, no tools, ``n``, the answer-length fields (integers of at
-    least 1, each named in its error) and a client-chosen ``request_id`` (made unique in
-    place, see :func:`check_request_id`).
+    """Checks every generation route shares: valid Unicode and finite numbers everywhere
+    (:func:`check_values`), none of :data:`REFUSED_FIELDS`, no tools, ``n``, the answer-length
+    fields (integers of at least 1, each named in its error) and a client-chosen
+    ``request_id`` (made unique in place, see :func:`check_request_id`).
 
     Raises:
         IntakeError: 400 naming the field.
     """
-    check_unicode(body)
+    check_values(body)
     for name in REFUSED_FIELDS:
         if body.get(name) is not None:
             raise IntakeError(400, f"{name} is not accepted by this server", name)

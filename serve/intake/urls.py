@@ -18,6 +18,10 @@ Rules (each hop of a redirect chain is checked again):
    ``max_redirects`` times.
 6. The body is streamed with a byte cap (``max_bytes``), connect/read timeouts and an overall
    deadline (``total_timeout_s``).
+7. Whatever the URL or the peer does (a malformed URL or ``Location``, a refused, reset, hung
+   or dripping connection, a body over the cap) ends that one request with a 4xx; nothing a
+   fetch does is shared with another request's fetch but the TLS context (:class:`UrlPolicy`),
+   which is read-only.
 
 Sources: OWASP SSRF Prevention Cheat Sheet (allowlists, resolved-address checks, redirect
 handling); Python ``ipaddress`` for the address classes.
@@ -28,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from dataclasses import dataclass
+import ssl
+from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
@@ -52,6 +57,12 @@ class UrlPolicy:
         connect_timeout_s / read_timeout_s: socket timeouts, seconds.
         total_timeout_s: deadline of the whole fetch (redirects and body included), seconds.
         max_redirects: redirect hops, each re-checked.
+        tls: the TLS client context every ``https`` fetch verifies with (httpx's default:
+            certifi's CA bundle, host names checked), built once with the policy and shared
+            by all fetches (an ``ssl.SSLContext`` is safe to share). Building one parses the
+            whole CA bundle on the event loop: built per fetch, a burst of URL requests
+            stalled every request of the process, long enough for a valid URL among them to
+            miss its deadline.
     """
 
     enabled: bool = False
@@ -62,6 +73,8 @@ class UrlPolicy:
     read_timeout_s: float = 10.0
     total_timeout_s: float = 10.0
     max_redirects: int = 3
+    tls: ssl.SSLContext = field(default_factory=lambda: httpx.create_ssl_context(
+        trust_env=False), compare=False, repr=False)
 
 
 def embedded_ipv4(ip: IPAddress) -> ipaddress.IPv4Address | None:
@@ -149,11 +162,12 @@ def _pinned(url: str, ip: IPAddress, port: int) -> str:
 
 
 async def fetch_image_url(url: str, policy: UrlPolicy, param: str) -> bytes:
-    """Rules 1-6: the body of an allowed image URL, within ``policy.total_timeout_s`` overall
+    """Rules 1-7: the body of an allowed image URL, within ``policy.total_timeout_s`` overall
     (a server that answers and then drips one byte at a time cannot hold the request).
 
     Raises:
-        IntakeError: 400 refused, unreachable or too slow URL, 413 body over ``max_bytes``.
+        IntakeError: 400 refused, malformed, unreachable or too slow URL, 413 body over
+            ``max_bytes``.
     """
     try:
         async with asyncio.timeout(policy.total_timeout_s):
@@ -165,15 +179,20 @@ async def fetch_image_url(url: str, policy: UrlPolicy, param: str) -> bytes:
 
 async def _fetch(url: str, policy: UrlPolicy, param: str) -> bytes:
     timeout = httpx.Timeout(policy.read_timeout_s, connect=policy.connect_timeout_s)
-    async with httpx.AsyncClient(timeout=timeout, follow_redirects=False,
-                                 trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False,
+                                 verify=policy.tls) as client:
         for _ in range(policy.max_redirects + 1):
             scheme, host, port = check_url(url, policy, param)
             ip = await resolve_checked(host, port, policy, param)
-            request = client.build_request(
-                "GET", _pinned(url, ip, port),
-                headers={"Host": host if port in (80, 443) else f"{host}:{port}"},
-                extensions={"sni_hostname": host} if scheme == "https" else {})
+            try:
+                request = client.build_request(
+                    "GET", _pinned(url, ip, port),
+                    headers={"Host": host if port in (80, 443) else f"{host}:{port}"},
+                    extensions={"sni_hostname": host} if scheme == "https" else {})
+            except httpx.InvalidURL as exc:  # not an httpx.HTTPError: a control character
+                # or an over-long URL, the client's or a peer's Location
+                reason = str(exc).split(",")[0]
+                raise IntakeError(400, f"image URL is malformed ({reason})", param) from None
             try:
                 response = await client.send(request, stream=True)
             except httpx.HTTPError as exc:

@@ -53,9 +53,11 @@ class UIProcess(ManagedServer):
     """A running ``python -m ui`` (``url``: its address)."""
 
 
-def start_ui(api_base_url: str, data_dir: Path, env: dict[str, str] | None = None) -> UIProcess:
+def start_ui(api_base_url: str, data_dir: Path, env: dict[str, str] | None = None,
+             log_name: str = "ui") -> UIProcess:
     """Start the UI on a free port against ``api_base_url``, its database, stored images and
-    auth secret under ``data_dir``; wait until it answers."""
+    auth secret under ``data_dir``; wait until it answers. Its output goes to
+    ``test-artifacts/<log_name>.log``."""
     python = ensure_ui_venv()
     port = free_port()
     ui_env = {
@@ -65,7 +67,7 @@ def start_ui(api_base_url: str, data_dir: Path, env: dict[str, str] | None = Non
         **(env or {}),
     }
     cmd = [str(python), "-m", "ui", "--port", str(port), "--api-base-url", api_base_url]
-    return start_process(cmd, port, ARTIFACTS / "ui.log", "/health", env=ui_env,
+    return start_process(cmd, port, ARTIFACTS / f"{log_name}.log", "/health", env=ui_env,
                          ready_timeout_s=UI_READY_TIMEOUT_S, server_cls=UIProcess,
                          unset=("CHAINLIT_AUTH_SECRET",))
 

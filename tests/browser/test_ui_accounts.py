@@ -40,7 +40,8 @@ def team_env(data) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def team_ui(server, team_dir):
-    holder = {"proc": start_ui(server.base_url, team_dir, env=team_env(team_dir))}
+    holder = {"proc": start_ui(server.base_url, team_dir, env=team_env(team_dir),
+                               log_name="ui-team")}
     yield holder
     stop_ui(holder["proc"])
 
@@ -110,7 +111,8 @@ async def test_two_users_each_see_only_their_own(browser, team_ui, server, team_
 
     # A restart: both histories and their images are intact.
     stop_ui(ui)
-    team_ui["proc"] = ui = start_ui(server.base_url, team_dir, env=team_env(team_dir))
+    team_ui["proc"] = ui = start_ui(server.base_url, team_dir, env=team_env(team_dir),
+                                    log_name="ui-team")
     for page, me in ((alice, "alice"), (bob, "bob")):
         page.base_url = ui.url
         await page.page.context.clear_cookies()
@@ -128,8 +130,53 @@ async def test_two_users_each_see_only_their_own(browser, team_ui, server, team_
     deleted = await alice.page.context.request.delete(f"{ui.url}/project/thread",
                                                       data={"threadId": thread["id"]})
     assert deleted.status == 200 and not path.exists()
+    # ... and leaves no empty directory behind (Alice's refused second image included).
+    files = team_dir / "files"
+    assert [p for p in files.rglob("*") if p.is_dir() and not any(p.iterdir())] == []
     for page in (alice, bob):
         await page.page.context.close()
+
+
+async def test_another_users_thread_opens_like_a_missing_one(browser, team_ui):  # noqa: F811
+    """Bob opens the URL of Alice's thread, then of a thread that does not exist: both say
+    the thread was not found and open a new chat of his own that works (no "Could not reach
+    the server"); Alice's thread is untouched."""
+    ui = team_ui["proc"]
+    alice, bob = await new_page(browser, ui), await new_page(browser, ui)
+    await alice.login("alice", PASSWORDS["alice"])
+    await bob.login("bob", PASSWORDS["bob"])
+    question = f"alice's own thread {uuid.uuid4().hex[:6]}"
+    await alice.new_chat()
+    await alice.send(question)
+    await alice.sample_answer(after=0)
+    (thread,) = [t for t in await threads_of(alice) if t["name"] == question]
+    url = f"{ui.url}/project/thread/{thread['id']}"
+    steps = (await (await alice.page.context.request.get(url)).json())["steps"]
+
+    replies = []
+    for thread_id in (thread["id"], str(uuid.uuid4())):
+        await bob.page.goto(f"{ui.url}/thread/{thread_id}")
+        await bob.wait_session()
+        await bob.page.get_by_text("Couldn't resume chat: Thread not found.").wait_for(
+            timeout=10_000)
+        replies.append(f"bob writes {uuid.uuid4().hex[:6]}")
+        await bob.send(replies[-1])
+        await bob.sample_answer(after=0)
+        assert await bob.page.get_by_text("Could not reach the server").count() == 0
+    bob_threads = await threads_of(bob)
+    assert {t["name"] for t in bob_threads} >= set(replies)
+    assert thread["id"] not in [t["id"] for t in bob_threads]
+    assert (await (await alice.page.context.request.get(url)).json())["steps"] == steps
+    for page in (alice, bob):
+        await page.page.context.close()
+
+
+def test_start_banner_names_the_account_source(team_ui, team_dir):
+    """`python -m ui` says where logins come from: here the users file, not 'demo'."""
+    log = team_ui["proc"].log_path.read_text(errors="replace")
+    banner = next(line for line in log.splitlines() if line.startswith("UI: http://"))
+    assert f"accounts from {team_dir / 'users.json'}" in banner
+    assert "demo" not in banner
 
 
 def test_login_refusals_look_the_same(team_ui):
@@ -159,6 +206,10 @@ def test_header_login_only_from_the_proxy(server, tmp_path):
         "PHI3V_UI_ACCOUNTS": "header", "PHI3V_UI_AUTH_HEADER": "X-Auth-User",
         "PHI3V_UI_TRUSTED_PROXIES": '["127.0.0.2/32"]'})
     try:
+        banner = next(line for line in ui.log_path.read_text(errors="replace").splitlines()
+                      if line.startswith("UI: http://"))
+        assert "user name from the X-Auth-User header of 127.0.0.2/32" in banner
+        assert "demo" not in banner
         headers = {"X-Auth-User": "dave"}
         direct = httpx.post(f"{ui.url}/auth/header", headers=headers, timeout=30)
         assert direct.status_code == 401 and "access_token" not in direct.cookies

@@ -85,8 +85,8 @@ def test_health_models_metrics(server):
     models = httpx.get(f"{server.base_url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [server.model]
     text = httpx.get(f"{server.base_url}/metrics").text
-    # vLLM's series stay on our /metrics: the InferencePool's endpoint picker reads the first
-    # three by default (deploy/k8s/inference-pool.yaml), the dashboards the rest.
+    # vLLM's series stay on our /metrics, for the dashboards and the endpoint picker (its
+    # flags name what it reads: tests/engine/test_queue_metrics.py).
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds"):
         assert name in text, name

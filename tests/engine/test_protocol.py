@@ -131,3 +131,88 @@ def test_client_that_leaves_is_counted_aborted_not_finished(server):
     assert after["http200"] == before["http200"] + 1  # the stream had started with 200
     assert server.metric("phi3v_http_responses_total",
                          {"route": "/v1/chat/completions", "code": "499"}) >= 1
+
+
+# --- compressed bodies, validation errors' fields, non-finite numbers -------------------------
+GENERATION_BODIES = {
+    "/v1/chat/completions": lambda srv: chat(srv, max_tokens=2),
+    "/v1/completions": lambda srv: {"model": srv.model, "prompt": "Hello", "max_tokens": 2},
+    "/v1/responses": lambda srv: {"model": srv.model, "input": "Hello", "max_output_tokens": 2},
+}
+
+
+def refused_415(server, path: str) -> float:
+    """``phi3v_http_responses_total{route=path,code="415"}`` (0 before the first 415)."""
+    try:
+        return server.metric("phi3v_http_responses_total", {"route": path, "code": "415"})
+    except KeyError:
+        return 0.0
+
+
+def test_compressed_bodies_are_415_naming_the_encoding_on_every_route(server):
+    import gzip
+    import json
+    import zlib
+
+    codings = {"gzip": gzip.compress, "deflate": zlib.compress,
+               "br": lambda raw: b"\x0b\x02\x80" + raw}  # never inflated: any bytes do
+    for path, body in GENERATION_BODIES.items():
+        raw = json.dumps(body(server)).encode()
+        before = refused_415(server, path)
+        for coding, compress in codings.items():
+            r = httpx.post(f"{server.base_url}{path}", content=compress(raw), timeout=60,
+                           headers={"Content-Type": "application/json",
+                                    "Content-Encoding": coding})
+            assert r.status_code == 415, (path, coding, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "Content-Encoding" and coding in err["message"]
+            assert r.headers["accept-encoding"] == "identity"
+        assert refused_415(server, path) == before + len(codings)  # counted like any answer
+        plain = httpx.post(f"{server.base_url}{path}", content=raw, timeout=60,
+                           headers={"Content-Type": "application/json",
+                                    "Content-Encoding": "identity"})
+        assert plain.status_code == 200, plain.text
+
+
+VALIDATION_CASES = [
+    # A union member's field (vLLM alone: body.messages.0.ChatCompletionDeveloperMessageParam
+    # .role, the first member's tag, which the client got right).
+    ({"messages": [{"role": "user", "content": "Hello", "name": 123}]}, "messages[0].name"),
+    ({"messages": [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "Hello", "name": ["x"]}]}, "messages[1].name"),
+    ({"stop": 5}, "stop"),
+    ({"logit_bias": {"100": "high"}}, "logit_bias.100"),
+]
+
+
+def test_validation_errors_name_the_field_the_client_sent(server):
+    for override, param in VALIDATION_CASES:
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                       json={**chat(server, max_tokens=2), **override})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"].startswith(param), r.text
+        assert err["type"] == "invalid_request_error"
+
+
+NON_FINITE = [  # (path, JSON fragment added to the route's body, field named)
+    ("/v1/chat/completions", '"logit_bias": {"100": NaN}', "logit_bias.100"),
+    ("/v1/chat/completions", '"temperature": NaN', "temperature"),
+    ("/v1/chat/completions", '"top_p": Infinity', "top_p"),
+    ("/v1/chat/completions", '"frequency_penalty": -Infinity', "frequency_penalty"),
+    ("/v1/chat/completions", '"presence_penalty": 1e999', "presence_penalty"),
+    ("/v1/completions", '"logit_bias": {"100": NaN}', "logit_bias.100"),
+    ("/v1/responses", '"temperature": NaN', "temperature"),
+]
+
+
+def test_non_finite_numbers_are_400_naming_the_field(server):
+    import json
+
+    for path, fragment, param in NON_FINITE:
+        raw = json.dumps(GENERATION_BODIES[path](server))[:-1] + ", " + fragment + "}"
+        r = httpx.post(f"{server.base_url}{path}", content=raw, timeout=60,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, fragment, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and "finite" in err["message"], r.text

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from openai import OpenAI
 
-from tests.helpers import IMAGES, data_url
+from tests.helpers import IMAGES, data_url, start_server, stop_server
 
 
 # --- the real server (session fixture) ---------------------------------------------------------
@@ -27,13 +28,93 @@ def test_openai_sdk_responses_with_an_image_stream_and_not(server):
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and "response.output_text.delta" in kinds
     assert "error" not in kinds
-    # The end event is named after the response's status (OpenAI's reference; vLLM alone
-    # sends response.completed for an answer cut by max_output_tokens).
-    assert kinds[-1] == f"response.{events[-1].response.status}"
-    assert kinds[-1] in ("response.completed", "response.incomplete")
+    # By default a stream ends with response.completed, also when max_output_tokens cut it
+    # (--responses-incomplete-event; test_cut_stream_* below); the status tells.
+    assert kinds[-1] == "response.completed"
+    assert events[-1].response.status in ("completed", "incomplete")
     assert server.metric("phi3v_requests_total") >= before + 2  # admission counted both
     assert server.metric("phi3v_http_responses_total",
                          {"route": "/v1/responses", "code": "200"}) >= 2
+
+
+# --- a stream cut by max_output_tokens: its end event (--responses-incomplete-event) ----------
+def cut_request(server) -> dict:
+    """A Responses request the engine must cut at ``max_output_tokens`` (``ignore_eos``: the
+    tiny model's random weights cannot end it sooner)."""
+    return {"model": server.model, "input": "Tell me a long story.", "max_output_tokens": 3,
+            "extra_body": {"ignore_eos": True}}
+
+
+def raw_events(server, request: dict) -> list[tuple[str, dict]]:
+    """The SSE events of a streamed Responses request as the server sent them: (event name,
+    data), read with httpx rather than the SDK."""
+    body = {**{k: v for k, v in request.items() if k != "extra_body"},
+            **request.get("extra_body", {}), "stream": True}
+    events, name = [], None
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[len("data: "):])))
+    return events
+
+
+def assert_cut(response) -> None:
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3 and response.output_text
+
+
+def test_cut_stream_ends_with_response_completed_and_the_sdk_helper_returns_it(server):
+    """Default (``completed``): the pinned openai SDK's ``responses.stream()`` helper returns
+    the cut answer, its status ``incomplete`` (with ``response.incomplete`` the helper raises:
+    the next test)."""
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    with client.responses.stream(**cut_request(server)) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert_cut(final)
+    assert kinds[-1] == "response.completed" and "response.incomplete" not in kinds
+    events = raw_events(server, cut_request(server))
+    name, data = events[-1]
+    assert name == data["type"] == "response.completed"
+    assert data["response"]["status"] == "incomplete"
+    assert data["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [n for n, _ in events].count("response.completed") == 1
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+
+
+@pytest.fixture(scope="module")
+def incomplete_event_server():
+    """A server with ``--responses-incomplete-event incomplete`` (OpenAI's event name)."""
+    srv = start_server(["--responses-incomplete-event", "incomplete"],
+                       name="incomplete-event-server")
+    yield srv
+    stop_server(srv)
+
+
+def test_cut_stream_ends_with_response_incomplete_when_configured(incomplete_event_server):
+    """``incomplete``: the event OpenAI's reference names. As documented (``serve.sse``), the
+    pinned SDK's ``get_final_response()`` then raises; iterating the events gets the end and
+    the cut answer."""
+    srv = incomplete_event_server
+    events = raw_events(srv, cut_request(srv))
+    name, data = events[-1]
+    assert name == data["type"] == "response.incomplete"
+    assert data["response"]["status"] == "incomplete"
+    assert data["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert "response.completed" not in [n for n, _ in events]
+    client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused")
+    with client.responses.stream(**cut_request(srv)) as stream:
+        kinds = [event.type for event in stream]
+        with pytest.raises(RuntimeError, match="Didn't receive a `response.completed` event"):
+            stream.get_final_response()
+    assert kinds[-1] == "response.incomplete"
+    last = list(client.responses.create(**cut_request(srv), stream=True))[-1]
+    assert last.type == "response.incomplete"
+    assert_cut(last.response)
 
 
 def test_responses_without_max_output_tokens_get_the_default(server):

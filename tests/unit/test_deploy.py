@@ -215,7 +215,8 @@ def test_k8s_api_probes_ports_env_and_metrics():
     from serve.metrics import Metrics
 
     (trigger,) = docs["ScaledObject"]["spec"]["triggers"]
-    assert f"{Metrics().pending._name}{{job=\"phi3v\"}}" in trigger["metadata"]["query"]
+    # The whole queue (gateway + engine), not the gateway's or vLLM's part alone.
+    assert f"{Metrics().queued._name}{{job=\"phi3v\"}}" in trigger["metadata"]["query"]
     # Scale-up paced to the model's load time: one pod per startupProbe budget.
     startup = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
     behavior = docs["ScaledObject"]["spec"]["advanced"]["horizontalPodAutoscalerConfig"]
@@ -232,6 +233,28 @@ def test_k8s_api_probes_ports_env_and_metrics():
     # The args are valid flags of python -m serve.
     flags = {a[2:].replace("-", "_") for a in c["args"] if a.startswith("--")}
     assert flags <= set(Settings.model_fields)
+
+
+def test_endpoint_picker_values_describe_the_same_pool():
+    """The extension's chart, installed as release ``phi3v`` with our values, creates the
+    pool of inference-pool.yaml (name, selector, port) over the API pods, and its picker
+    (``<release>-epp``, the chart's naming) is the one the pool refers to; the picker reads
+    the whole queue (tests/engine/test_queue_metrics.py checks each name on a live /metrics)."""
+    from serve.metrics import Metrics
+
+    values = yaml.safe_load((DEPLOY / "k8s" / "helm" / "inferencepool-values.yaml").read_text())
+    (pool,) = load_all(DEPLOY / "k8s" / "inference-pool.yaml")
+    api = {d["kind"]: d for d in load_all(DEPLOY / "k8s" / "api.yaml")}
+    selector = values["inferencePool"]["modelServers"]["matchLabels"]
+    assert selector == pool["spec"]["selector"]["matchLabels"]
+    pod_labels = api["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    assert values["inferencePool"]["targetPorts"] == pool["spec"]["targetPorts"]
+    (port,) = api["Deployment"]["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert [{"number": port["containerPort"]}] == pool["spec"]["targetPorts"]
+    assert pool["spec"]["endpointPickerRef"]["name"] == f"{pool['metadata']['name']}-epp"
+    flags = {f["name"]: f["value"] for f in values["inferenceExtension"]["flags"]}
+    assert flags["total-queued-requests-metric"] == Metrics().queued._name
 
 
 def walk(node):
@@ -331,3 +354,34 @@ def test_grace_periods_derive_from_the_drain_timeout():
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     grace = compose["services"]["api"]["stop_grace_period"]
     assert grace == f"{drain + STOP_MARGIN_S:g}s", grace
+
+
+def test_idle_connections_close_on_the_clients_side_first():
+    """Whoever reuses idle connections to the API closes them before the API does, or it
+    may send a request on a connection the API is closing (a reset; a 502 from a proxy):
+    the API's keep-alive outlasts every proxy that may front it (Envoy-based gateways, GKE's
+    load balancers, AWS ALB, nginx) and the UI's client, in each deploy file."""
+    from serve.settings import FRONT_PROXY_IDLE_TIMEOUTS_S
+    from ui.settings import UISettings
+
+    def keep_alive(env: dict) -> float:
+        value = env.get("PHI3V_HTTP_KEEP_ALIVE_TIMEOUT_S")
+        return float(value) if value is not None else Settings().http_keep_alive_timeout_s
+
+    def ui_expiry(env: dict) -> float:
+        value = env.get("PHI3V_UI_API_KEEP_ALIVE_S")
+        return float(value) if value is not None else UISettings().api_keep_alive_s
+
+    def k8s_env(path: Path) -> dict:
+        deployment = next(d for d in load_all(path) if d["kind"] == "Deployment")
+        (c,) = deployment["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e.get("value") for e in c["env"]}
+
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    pairs = {"k8s": (k8s_env(DEPLOY / "k8s" / "api.yaml"), k8s_env(DEPLOY / "k8s" / "ui.yaml")),
+             "compose": (services["api"]["environment"], services["ui"]["environment"])}
+    for where, (api_env, ui_env) in pairs.items():
+        api = keep_alive(api_env)
+        for proxy, idle_s in FRONT_PROXY_IDLE_TIMEOUTS_S.items():
+            assert api > idle_s, f"{where}: keep-alive {api} s <= {proxy} {idle_s} s"
+        assert ui_expiry(ui_env) < api, where

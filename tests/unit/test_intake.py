@@ -202,7 +202,7 @@ def test_api_keys(tmp_path):
 
 
 # --- stream guard (upstream is a scripted ASGI peer) ---------------------------------------------
-async def run_guard(chunks, raise_after=False, path="/v1/chat/completions"):
+async def run_guard(chunks, raise_after=False, path="/v1/chat/completions", **options):
     async def upstream(scope, receive, send):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
@@ -220,7 +220,8 @@ async def run_guard(chunks, raise_after=False, path="/v1/chat/completions"):
     async def receive():
         await asyncio.sleep(3600)
 
-    await StreamGuardMiddleware(upstream)({"type": "http", "path": path}, receive, send)
+    await StreamGuardMiddleware(upstream, **options)({"type": "http", "path": path}, receive,
+                                                     send)
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert sent[-1]["more_body"] is False
     return [e for e in body.decode().split("\n\n") if e]

@@ -178,6 +178,8 @@ def test_rules_and_dashboards_use_the_gateway_series():
     assert "phi3v_autotuner_min_seqs" in by_name["Phi3vAutotunerPinnedAtFloor"]
     assert {"phi3v_pending_requests", "phi3v_max_queue"} <= _metric_names(
         by_name["Phi3vQueueNearlyFull"])
+    # Queue depth is the whole queue (gateway + engine): vLLM's gauge alone misses the gateway.
+    assert _metric_names(by_name["Phi3vQueueGrowing"]) == {"phi3v_queued_requests"}
     exprs = list(by_name.values()) + [e for p in DASHBOARDS for _, _, e in _queries(_dashboard(p))]
     for expr in exprs:
         # vLLM's instrumentator (http_requests_total) does not see the gateway's own answers;

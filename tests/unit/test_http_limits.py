@@ -1,0 +1,107 @@
+"""The pure parts of the connection limits (``serve/http_limits.py``) and the open-file limit
+the connection cap needs (``serve.__main__``); the protocol itself is tested on a real
+server (``tests/engine/test_connection_limits.py``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import h11
+import pytest
+
+from serve.http_limits import ConnectionLimits, ReceiveDeadline, raw_response
+from serve.settings import Settings
+from tests.helpers import ROOT
+
+
+def arrivals(deadline: ReceiveDeadline, start: float, rate: float, chunk: int, n: int):
+    """Feed ``n`` chunks arriving at ``rate`` bytes/s; yield (arrival time, deadline)."""
+    for k in range(1, n + 1):
+        now = start + k * chunk / rate
+        deadline.received(chunk)
+        yield now, deadline.at
+
+
+@pytest.mark.parametrize("rate", [500, 501, 5000])
+def test_a_body_at_or_above_the_minimum_rate_never_reaches_its_deadline(rate):
+    deadline = ReceiveDeadline(100.0, timeout_s=20, min_rate_bytes_s=500)
+    for now, at in arrivals(deadline, 100.0, rate, chunk=1000, n=10_000):
+        assert now < at
+
+
+def test_a_trickled_body_reaches_its_deadline_about_the_timeout_after_it_starts():
+    deadline = ReceiveDeadline(100.0, timeout_s=20, min_rate_bytes_s=500)
+    late = [(now, at) for now, at in arrivals(deadline, 100.0, 5, chunk=10, n=100) if now >= at]
+    assert late, "a 5 bytes/s body never reached its deadline"
+    first_late = late[0][0]
+    # 20 s, plus 1/500 s for each of the ~100 bytes received by then.
+    assert 120 <= first_late <= 120 + 110 / 500 + 2
+
+
+def test_a_flat_deadline_does_not_move_and_a_restart_gives_the_whole_timeout_again():
+    deadline = ReceiveDeadline(0.0, timeout_s=20)
+    deadline.received(10**6)
+    assert deadline.at == 20
+    deadline.restart(15.0)
+    assert deadline.at == 35
+    deadline.restart(1.0)  # never earlier than it was
+    assert deadline.at == 35
+
+
+@pytest.mark.parametrize("status", [408, 431, 503])
+def test_answers_below_the_app_are_valid_http_with_an_openai_error(status):
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
+    client.receive_data(raw_response(status, "some reason"))
+    response = client.next_event()
+    body = b""
+    while isinstance(event := client.next_event(), h11.Data):
+        body += event.data
+    assert isinstance(event, h11.EndOfMessage)
+    headers = dict(response.headers)
+    assert response.status_code == status and headers[b"connection"] == b"close"
+    assert (b"retry-after" in headers) == (status == 503)
+    error = json.loads(body)["error"]
+    assert error["code"] == status and error["message"] == "some reason"
+
+
+def test_connection_limits_come_from_the_settings():
+    settings = Settings(max_connections=7, http_head_timeout_s=3)
+    limits = ConnectionLimits.from_settings(settings)
+    assert (limits.max_connections, limits.http_head_timeout_s) == (7, 3)
+    assert limits.max_header_bytes == settings.max_header_bytes
+
+
+def open_file_limit_after(max_connections: int, soft: int, hard: int) -> tuple[str, int]:
+    """Run ``raise_open_file_limit`` in a child whose limit is ``soft``/``hard``: its message
+    (empty when none) and the soft limit it left."""
+    code = (
+        "import resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
+        "from serve.__main__ import raise_open_file_limit\n"
+        "from serve.settings import Settings\n"
+        f"msg = raise_open_file_limit(Settings(max_connections={max_connections}))\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0]); print(msg or '')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True, timeout=60).stdout.splitlines()
+    return out[1] if len(out) > 1 else "", int(out[0])
+
+
+def test_the_open_file_limit_is_raised_to_hold_the_connection_cap():
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"this machine's hard open-file limit is {hard}")
+    from serve.__main__ import RESERVED_FILES
+
+    message, soft = open_file_limit_after(1000, soft=256, hard=2048)
+    assert message == "" and soft == 1000 + RESERVED_FILES
+
+
+def test_a_connection_cap_above_the_hard_open_file_limit_is_refused_with_a_message():
+    message, soft = open_file_limit_after(4000, soft=256, hard=1024)
+    assert "--max-connections 4000" in message and "ulimit" in message
+    assert soft == 256
