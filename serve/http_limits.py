@@ -147,8 +147,10 @@ def bounded_http_protocol(limits: ConnectionLimits, on_refused: OnRefused | None
         def close_an_idle(self) -> bool:
             """Close the idle connection whose idle timer fires first (a silent one before a
             kept-alive one); False when none is idle."""
+            # uvicorn's set holds websocket connections too, which have no keep-alive timer
             idle = [c for c in self.connections
-                    if c.timeout_keep_alive_task is not None and not c.transport.is_closing()]
+                    if getattr(c, "timeout_keep_alive_task", None) is not None
+                    and not c.transport.is_closing()]
             if not idle:
                 return False
             oldest = min(idle, key=lambda c: c.timeout_keep_alive_task.when())
@@ -160,6 +162,10 @@ def bounded_http_protocol(limits: ConnectionLimits, on_refused: OnRefused | None
             self.stop_deadline()
             if self.transport is not None:  # None: refused at the cap
                 super().connection_lost(exc)
+                # uvicorn cancels the keep-alive timer only on a clean close: after a reset
+                # the pending timer would hold this connection (its headers included) for
+                # the whole --http-keep-alive-timeout-s.
+                self._unset_keepalive_if_required()
 
         # --- rules 1 and 2 (head) -------------------------------------------------------------
         def data_received(self, data: bytes) -> None:
@@ -173,6 +179,14 @@ def bounded_http_protocol(limits: ConnectionLimits, on_refused: OnRefused | None
                     self.refuse(431, f"request headers exceed {limits.max_header_bytes} bytes")
                     return
             super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            # A request that begins in the same read as the end of the previous one: its
+            # head gets its deadline here (data_received saw a running deadline).
+            if self.timer is None:
+                self.start_deadline(ReceiveDeadline(self.loop.time(),
+                                                    limits.http_head_timeout_s))
+            super().on_message_begin()
 
         # --- rule 3 (body) --------------------------------------------------------------------
         def on_headers_complete(self) -> None:

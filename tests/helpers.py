@@ -140,6 +140,12 @@ class ImagePeer:
                             time.sleep(0.1)
                     except OSError:
                         pass  # the client gave up
+                elif self.path.startswith("/redirect-malformed"):
+                    # a Location httpx takes but urllib cannot join (an unclosed IPv6 bracket)
+                    self.send_response(302)
+                    self.send_header("Location", "http://u[ser@127.0.0.2/x.png")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
                 else:
                     self.send_error(404)
 

@@ -200,7 +200,11 @@ async def _fetch(url: str, policy: UrlPolicy, param: str) -> bytes:
                                   param) from None
             try:
                 if response.is_redirect:
-                    url = urljoin(url, response.headers.get("location", ""))
+                    try:
+                        url = urljoin(url, response.headers.get("location", ""))
+                    except ValueError:  # a Location urllib cannot parse (``http://u[s@h/``)
+                        raise IntakeError(400, "image URL redirected to a malformed URL",
+                                          param) from None
                     continue
                 if response.status_code != 200:
                     raise IntakeError(400, f"image URL answered HTTP {response.status_code}",

@@ -105,3 +105,88 @@ def test_a_connection_cap_above_the_hard_open_file_limit_is_refused_with_a_messa
     message, soft = open_file_limit_after(4000, soft=256, hard=1024)
     assert "--max-connections 4000" in message and "ulimit" in message
     assert soft == 256
+
+
+# --- the protocol on a real uvicorn server in this process ------------------------------------
+async def _ok(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture
+async def small_server():
+    """A uvicorn server with the bounded protocol (head timeout 1 s) on a free port."""
+    import asyncio
+
+    import uvicorn
+
+    from serve.http_limits import bounded_http_protocol
+    from tests.helpers import free_port
+
+    limits = ConnectionLimits(max_header_bytes=65536, http_head_timeout_s=1.0,
+                              http_body_timeout_s=5.0, http_body_min_rate_bytes_s=500,
+                              http_first_request_timeout_s=5.0, max_connections=8)
+    protocol = bounded_http_protocol(limits)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(_ok, host="127.0.0.1", port=port, http=protocol,
+                                           lifespan="off", log_level="error",
+                                           timeout_keep_alive=3600))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    yield port, protocol
+    server.should_exit = True
+    await task
+
+
+async def test_a_reset_connection_is_freed_at_once(small_server):
+    """uvicorn cancels the keep-alive timer only on a clean close; after a reset the timer
+    held the connection (headers and all) for the whole keep-alive."""
+    import asyncio
+    import gc
+    import socket
+    import struct
+
+    port, protocol = small_server
+    for _ in range(5):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1000 + b"\r\n\r\n")
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        assert (await loop.sock_recv(sock, 4096)).startswith(b"HTTP/1.1 200")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # RST
+    await asyncio.sleep(0.3)
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, protocol)]
+    assert alive == [], f"{len(alive)} reset connections still held"
+
+
+async def test_a_head_that_begins_in_the_read_ending_the_last_request_has_its_deadline(
+        small_server):
+    """A complete request and the start of the next in one read: the second head is 408 at
+    the head timeout (1 s), not left to the keep-alive."""
+    import asyncio
+
+    port, _ = small_server
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n")
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(-1), timeout=5)  # until the server closes
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in data, data
+
+
+def test_the_cap_skips_connections_without_a_keep_alive_timer():
+    """uvicorn's connection set also holds websocket connections (no keep-alive timer):
+    choosing an idle connection to close must pass over them, not raise."""
+    from types import SimpleNamespace
+
+    from serve.http_limits import bounded_http_protocol
+
+    protocol = bounded_http_protocol(ConnectionLimits(65536, 1, 1, 500, 1, 1))
+    websocket = SimpleNamespace(transport=SimpleNamespace(is_closing=lambda: False))
+    holder = SimpleNamespace(connections=[websocket])
+    assert protocol.close_an_idle(holder) is False

@@ -78,3 +78,10 @@ async def test_a_url_httpx_cannot_send_is_a_400(url):
     ``httpx.HTTPError``): the client's mistake, a 400 naming the field, not a 500."""
     status, message = await outcome(url, policy(2.0))
     assert status == 400 and message.startswith("image URL is malformed"), message
+
+
+async def test_a_malformed_redirect_from_the_peer_is_a_400(peer):
+    """A peer's ``Location`` that urllib cannot join (``ValueError``) is the request's 400,
+    not a 500."""
+    status, message = await outcome(f"{peer}/redirect-malformed", policy(2.0))
+    assert (status, message) == (400, "image URL redirected to a malformed URL")
