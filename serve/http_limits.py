@@ -5,6 +5,8 @@
    (RFC 6585) and the connection closed. uvicorn's httptools parser buffers a header of any
    size before the app sees it (its h11 parser answers a plain 400); here the head's bytes are
    counted as they arrive, so a 1 MB header costs at most the limit plus one read of memory.
+   A chunked body's trailer fields count against the same limit (uvicorn adds them to the
+   request's headers).
 2. **Head time.** A head must be complete ``--http-head-timeout-s`` after its first byte
    (blank lines before it included, which the parser skips: trickled CRLFs hold nothing);
    else 408 (RFC 9110 15.5.9) and the connection closed.
@@ -187,6 +189,19 @@ def bounded_http_protocol(limits: ConnectionLimits, on_refused: OnRefused | None
                 self.start_deadline(ReceiveDeadline(self.loop.time(),
                                                     limits.http_head_timeout_s))
             super().on_message_begin()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if not self.in_head:
+                # A chunked body's trailer fields: httptools hands them here and uvicorn adds
+                # them to the request's headers, so they count against the head limit too.
+                if self.transport.is_closing():
+                    return
+                self.head_bytes += len(name) + len(value) + 4
+                if self.head_bytes > limits.max_header_bytes:
+                    self.refuse(431, f"request headers and trailers exceed "
+                                f"{limits.max_header_bytes} bytes")
+                    return
+            super().on_header(name, value)
 
         # --- rule 3 (body) --------------------------------------------------------------------
         def on_headers_complete(self) -> None:
