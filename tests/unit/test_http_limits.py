@@ -4,16 +4,27 @@ server (``tests/engine/test_connection_limits.py``)."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import socket
+import struct
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import h11
 import pytest
+import uvicorn
 
-from serve.http_limits import ConnectionLimits, ReceiveDeadline, raw_response
+from serve.http_limits import (
+    ConnectionLimits,
+    ReceiveDeadline,
+    bounded_http_protocol,
+    raw_response,
+)
 from serve.settings import Settings
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 
 
 def arrivals(deadline: ReceiveDeadline, start: float, rate: float, chunk: int, n: int):
@@ -118,13 +129,6 @@ async def _ok(scope, receive, send):
 @pytest.fixture
 async def small_server():
     """A uvicorn server with the bounded protocol (head timeout 1 s) on a free port."""
-    import asyncio
-
-    import uvicorn
-
-    from serve.http_limits import bounded_http_protocol
-    from tests.helpers import free_port
-
     limits = ConnectionLimits(max_header_bytes=65536, http_head_timeout_s=1.0,
                               http_body_timeout_s=5.0, http_body_min_rate_bytes_s=500,
                               http_first_request_timeout_s=5.0, max_connections=8)
@@ -146,10 +150,6 @@ async def small_server():
 async def test_a_reset_connection_is_freed_at_once(small_server):
     """uvicorn cancels the keep-alive timer only on a clean close; after a reset the timer
     held the connection (headers and all) for the whole keep-alive."""
-    import asyncio
-    import gc
-    import socket
-    import struct
 
     port, protocol = small_server
     for _ in range(5):
@@ -170,8 +170,6 @@ async def test_a_head_that_begins_in_the_read_ending_the_last_request_has_its_de
         small_server):
     """A complete request and the start of the next in one read: the second head is 408 at
     the head timeout (1 s), not left to the keep-alive."""
-    import asyncio
-
     port, _ = small_server
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n")
@@ -184,9 +182,6 @@ async def test_a_head_that_begins_in_the_read_ending_the_last_request_has_its_de
 def test_the_cap_skips_connections_without_a_keep_alive_timer():
     """uvicorn's connection set also holds websocket connections (no keep-alive timer):
     choosing an idle connection to close must pass over them, not raise."""
-    from types import SimpleNamespace
-
-    from serve.http_limits import bounded_http_protocol
 
     protocol = bounded_http_protocol(ConnectionLimits(65536, 1, 1, 500, 1, 1))
     websocket = SimpleNamespace(transport=SimpleNamespace(is_closing=lambda: False))
@@ -197,8 +192,6 @@ def test_the_cap_skips_connections_without_a_keep_alive_timer():
 async def test_chunked_trailers_count_against_the_head_limit(small_server):
     """Trailer fields of a chunked body join the request's headers: over the head limit
     (64 KiB here) they are 431, not held in memory until the body deadline."""
-    import asyncio
-
     port, protocol = small_server
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
