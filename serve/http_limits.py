@@ -19,7 +19,11 @@
    opens is closed without an answer (there is no request to answer).
 5. **Connection cap.** At ``--max-connections`` open connections a new one closes the idle
    connection nearest its idle timeout (silent since it opened, or between requests: nginx
-   reuses connections the same way); with none idle the new one gets a 503 and is closed.
+   reuses connections the same way); with none idle, the connection receiving a request head
+   nearest its head deadline (the one trickling its head longest; 408, as at its head
+   timeout), so clients holding heads open cannot lock others out (a liveness probe among
+   them); with neither the new one gets a 503 and is closed. A connection whose request is
+   being served or whose body is being received is never closed for room.
 
 A deadline covers receiving a request only, never the answer: when one passes while an answer
 is on its way (a response started, or the app still working on an earlier request of the
@@ -134,7 +138,8 @@ def bounded_http_protocol(limits: ConnectionLimits, on_refused: OnRefused | None
 
         # --- rule 5 (cap) and rule 4 (silence) ------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if len(self.connections) >= limits.max_connections and not self.close_an_idle():
+            if (len(self.connections) >= limits.max_connections and not self.close_an_idle()
+                    and not self.close_a_head()):
                 refused(503, None)
                 transport.write(raw_response(
                     503, f"the server holds {limits.max_connections} connections"))
@@ -158,6 +163,25 @@ def bounded_http_protocol(limits: ConnectionLimits, on_refused: OnRefused | None
             oldest = min(idle, key=lambda c: c.timeout_keep_alive_task.when())
             oldest._unset_keepalive_if_required()
             oldest.transport.close()
+            return True
+
+        def close_a_head(self) -> bool:
+            """Close the connection whose request head has begun and not ended, with no
+            request of it being served, nearest its head deadline (the one trickling longest);
+            False when none is receiving a head."""
+            heads = [c for c in self.connections
+                     if getattr(c, "in_head", False) and c.deadline is not None
+                     and (c.cycle is None or c.cycle.response_complete)
+                     and not c.transport.is_closing()]
+            if not heads:
+                return False
+            oldest = min(heads, key=lambda c: c.deadline.at)
+            oldest.stop_deadline()
+            # The answer its head timeout gives (rule 2): a 408 tells the client its request
+            # was not taken, so it may send it again (RFC 9110 15.5.9), where a silent close
+            # looks like a failure on the way; and it is counted like the 408s of rule 2.
+            oldest.refuse(408, "request headers not complete when the server, at its "
+                          f"{limits.max_connections} connections, needed the connection")
             return True
 
         def connection_lost(self, exc: Exception | None) -> None:

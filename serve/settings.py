@@ -207,10 +207,12 @@ class Settings(BaseSettings):
         2048, ge=1,
         description="Most open client connections. At the cap a new connection closes the "
         "idle one nearest its idle timeout (silent since it opened, or between requests); "
-        "with none idle it gets a 503 and is closed. 2048: above the most requests one GPU "
-        "replica holds (2 x max_num_seqs 256 admitted + --max-queue 256) plus proxies' idle "
-        "pools (Envoy's default circuit breaker: 1024 connections per cluster). The "
-        "open-file limit is raised to fit it at start.",
+        "with none idle, the one receiving a request head nearest its head deadline (408); "
+        "with neither it gets a 503 and is closed. A connection whose request is being "
+        "served or whose body is being received is never closed for room. 2048: above the "
+        "most requests one GPU replica holds (2 x max_num_seqs 256 admitted + --max-queue "
+        "256) plus proxies' idle pools (Envoy's default circuit breaker: 1024 connections per "
+        "cluster). The open-file limit is raised to fit it at start.",
     )
     http_first_request_timeout_s: float = Field(
         10.0, gt=0,

@@ -36,20 +36,14 @@ def main(argv: list[str] | None = None) -> None:
 
     ensure_auth_secret(settings.auth_secret_file)
 
-    # The store's schema to its newest revision (ui/db.py) before serving, so that a failed
-    # upgrade stops the UI here: Chainlit's on_app_startup would log it and serve anyway.
-    import asyncio
-
-    from ui import db
-
-    asyncio.run(db.upgrade(settings.database_url))
-
     from chainlit.cli import run_chainlit
     from chainlit.config import config
 
     config.run.headless = True  # never try to open a browser
     print(f"UI: http://{settings.host}:{settings.port}  (API {settings.api_base_url}; "
           f"{login_summary(settings)})", flush=True)
+    # Loads ui/app.py, which upgrades the store's schema and sets the server's keep-alive (the
+    # same for `chainlit run ui/app.py`), then serves.
     run_chainlit(str(UI_DIR / "app.py"))
 
 

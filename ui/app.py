@@ -33,7 +33,7 @@ from chainlit.server import app as chainlit_app
 from fastapi import HTTPException
 from starlette.requests import cookie_parser
 
-from ui import auth, db, history, images, origins, uploads
+from ui import auth, db, history, images, origins, serving, uploads
 from ui.api import ApiClient, ServerLimits, Token, Usage
 from ui.errors import ApiError
 from ui.history import ANSWER_KEY, Conversation, HistoryImage, Turn
@@ -51,6 +51,14 @@ TEMPERATURE_MIN, TEMPERATURE_MAX = 0.0, 2.0
 log = logging.getLogger("ui")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
 settings = UISettings()
+# Both entry points, `python -m ui` and `chainlit run ui/app.py`, reach here before Chainlit
+# serves (its run_chainlit loads this module, then starts uvicorn), so what must hold before the
+# first request is done here, once per process. The store's schema to its newest revision
+# (ui/db.py): a failed upgrade stops the start with its reason, instead of a UI whose every save
+# fails (Chainlit's on_app_startup would log it and serve anyway).
+asyncio.run(db.upgrade(settings.database_url))
+# Idle connections outlast the idle timeout of a proxy in front (ui/serving.py).
+serving.set_keep_alive(settings.keep_alive_s)
 api = ApiClient(settings)
 storage = LocalStorageClient(settings.storage_dir)
 auth.ensure_auth_secret(settings.auth_secret_file)

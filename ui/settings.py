@@ -41,6 +41,17 @@ class UISettings(BaseSettings):
     # --- where the UI listens and the API it talks to ------------------------------------
     host: str = Field("127.0.0.1", description="Address the UI binds to.")
     port: int = Field(8080, ge=1, le=65535, description="TCP port of the UI.")
+    keep_alive_s: float = Field(
+        3620.0,
+        gt=0,
+        description="Seconds the UI's HTTP server keeps an idle connection open between "
+        "requests (uvicorn's timeout_keep_alive, 5 by default). Above the idle timeout of "
+        "every proxy that may front the UI (Envoy-based ingresses and gateways 3600, Google "
+        "Cloud load balancers 600, AWS ALB 60, nginx/ingress-nginx upstream keepalive_timeout "
+        "60), so the proxy closes an idle connection first and never sends a request on one "
+        "the UI is closing (a reset, then a 502). A proxy set longer needs this raised "
+        "(deploy/: tested).",
+    )
     api_base_url: str = Field(
         "http://127.0.0.1:8000",
         description="Base URL of the API (python -m serve), without /v1.",

@@ -222,9 +222,12 @@ def test_at_the_cap_with_no_idle_connection_a_new_one_is_refused_503(limited):
     before = responses(limited, "other", "503")
     busy = []
     try:
-        for _ in range(MAX_CONNECTIONS):  # each in the middle of a head: not idle
+        # Each receiving a body (its deadline 2 s + 2 s for the 1,000 bytes sent): neither
+        # idle nor mid-head, so the cap has nothing it may close for room.
+        for _ in range(MAX_CONNECTIONS):
             s = connect(limited)
-            s.sendall(b"GET /health HTTP/1.1\r\n")
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: "
+                      b"application/json\r\ncontent-length: 100000\r\n\r\n" + b" " * 1000)
             busy.append(s)
         time.sleep(0.2)
         with connect(limited) as extra:

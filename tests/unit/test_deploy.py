@@ -357,10 +357,11 @@ def test_grace_periods_derive_from_the_drain_timeout():
 
 
 def test_idle_connections_close_on_the_clients_side_first():
-    """Whoever reuses idle connections to the API closes them before the API does, or it
-    may send a request on a connection the API is closing (a reset; a 502 from a proxy):
-    the API's keep-alive outlasts every proxy that may front it (Envoy-based gateways, GKE's
-    load balancers, AWS ALB, nginx) and the UI's client, in each deploy file."""
+    """Whoever reuses idle connections to the API or the UI closes them before the server
+    does, or it may send a request on a connection the server is closing (a reset; a 502 from
+    a proxy): the API's keep-alive outlasts every proxy that may front it (Envoy-based
+    gateways, GKE's load balancers, AWS ALB, nginx) and the UI's client; the UI's own
+    keep-alive outlasts the same proxies as its ingress, in each deploy file."""
     from serve.settings import FRONT_PROXY_IDLE_TIMEOUTS_S
     from ui.settings import UISettings
 
@@ -372,6 +373,10 @@ def test_idle_connections_close_on_the_clients_side_first():
         value = env.get("PHI3V_UI_API_KEEP_ALIVE_S")
         return float(value) if value is not None else UISettings().api_keep_alive_s
 
+    def ui_keep_alive(env: dict) -> float:
+        value = env.get("PHI3V_UI_KEEP_ALIVE_S")
+        return float(value) if value is not None else UISettings().keep_alive_s
+
     def k8s_env(path: Path) -> dict:
         deployment = next(d for d in load_all(path) if d["kind"] == "Deployment")
         (c,) = deployment["spec"]["template"]["spec"]["containers"]
@@ -382,6 +387,8 @@ def test_idle_connections_close_on_the_clients_side_first():
              "compose": (services["api"]["environment"], services["ui"]["environment"])}
     for where, (api_env, ui_env) in pairs.items():
         api = keep_alive(api_env)
+        ui = ui_keep_alive(ui_env)
         for proxy, idle_s in FRONT_PROXY_IDLE_TIMEOUTS_S.items():
             assert api > idle_s, f"{where}: keep-alive {api} s <= {proxy} {idle_s} s"
+            assert ui > idle_s, f"{where}: UI keep-alive {ui} s <= {proxy} {idle_s} s"
         assert ui_expiry(ui_env) < api, where

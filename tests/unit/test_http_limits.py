@@ -1,10 +1,12 @@
-"""The pure parts of the connection limits (``serve/http_limits.py``) and the open-file limit
-the connection cap needs (``serve.__main__``); the protocol itself is tested on a real
-server (``tests/engine/test_connection_limits.py``)."""
+"""The pure parts of the connection limits (``serve/http_limits.py``), the open-file limit
+the connection cap needs (``serve.__main__``), and the protocol on a uvicorn server in this
+process with a plain app (the cap's choice of the connection to close among them); on the
+gateway it is tested in ``tests/engine/test_connection_limits.py``."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import socket
@@ -126,25 +128,36 @@ async def _ok(scope, receive, send):
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-@pytest.fixture
-async def small_server():
-    """A uvicorn server with the bounded protocol (head timeout 1 s) on a free port."""
-    limits = ConnectionLimits(max_header_bytes=65536, http_head_timeout_s=1.0,
-                              http_body_timeout_s=5.0, http_body_min_rate_bytes_s=500,
-                              http_first_request_timeout_s=5.0, max_connections=8)
+@contextlib.asynccontextmanager
+async def bounded_server(app=_ok, **overrides):
+    """A uvicorn server running ``app`` with the bounded protocol on a free port; limits: head
+    timeout 1 s, 8 connections, unless ``overrides`` (``ConnectionLimits`` fields) say."""
+    limits = ConnectionLimits(**{
+        "max_header_bytes": 65536, "http_head_timeout_s": 1.0, "http_body_timeout_s": 5.0,
+        "http_body_min_rate_bytes_s": 500, "http_first_request_timeout_s": 5.0,
+        "max_connections": 8, **overrides})
     refused: list[int] = []  # statuses written below the app
     protocol = bounded_http_protocol(limits, lambda status, path: refused.append(status))
     protocol.refused = refused
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(_ok, host="127.0.0.1", port=port, http=protocol,
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol,
                                            lifespan="off", log_level="error",
                                            timeout_keep_alive=3600))
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.05)
-    yield port, protocol
-    server.should_exit = True
-    await task
+    try:
+        yield port, protocol
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def small_server():
+    """:func:`bounded_server` with its default limits."""
+    async with bounded_server() as served:
+        yield served
 
 
 async def test_a_reset_connection_is_freed_at_once(small_server):
@@ -210,3 +223,127 @@ async def test_chunked_trailers_count_against_the_head_limit(small_server):
         pass
     writer.close()
     assert protocol.refused == [431]
+
+
+# --- the connection cap (rule 5) on a real server ---------------------------------------------
+CAP = 8
+#: Head and body timeouts of the cap tests: far longer than they run, so any close they see is
+#: the cap's.
+LONG_TIMEOUT_S = 60.0
+
+
+def body_reading_app(release: asyncio.Event):
+    """An app that answers 200 once the whole body is read, ``/wait`` only once ``release``
+    is set (a request being served)."""
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (message := await receive()).get("more_body"):
+            pass
+        if message["type"] == "http.disconnect":
+            return
+        if scope["path"] == "/wait":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return app
+
+
+@pytest.fixture
+async def cap_server():
+    """:func:`bounded_server` with ``CAP`` connections, long head and body timeouts and
+    :func:`body_reading_app`, which holds ``/wait`` until the test ends."""
+    release = asyncio.Event()
+    async with bounded_server(body_reading_app(release), max_connections=CAP,
+                              http_head_timeout_s=LONG_TIMEOUT_S,
+                              http_body_timeout_s=LONG_TIMEOUT_S) as served:
+        try:
+            yield served
+        finally:
+            release.set()
+
+
+async def open_sending(port: int, data: bytes
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that has sent ``data``, once the server has read it (so the order in which
+    they are opened is the order their heads began)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    return reader, writer
+
+
+async def closed_within(reader: asyncio.StreamReader, timeout_s: float) -> bytes | None:
+    """What the server sent before closing the connection, or None while it is still open
+    after ``timeout_s``."""
+    try:
+        return await asyncio.wait_for(reader.read(-1), timeout=timeout_s)
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        return b""
+
+
+async def get_health(port: int) -> bytes:
+    """A full ``GET /health`` on a new connection: the answer, until the server closes or 5 s."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    await writer.drain()
+    try:
+        return await closed_within(reader, 5.0) or b""
+    finally:
+        writer.close()
+
+
+SLOW_HEAD = b"GET /health HTTP/1.1\r\nHo"  # the first bytes of a head, no blank line
+BODY_BEGUN = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 10
+BEING_SERVED = b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def test_at_the_cap_a_new_connection_closes_the_oldest_slow_head(cap_server):
+    """``CAP`` connections each holding the first bytes of a head lock nobody out: a new
+    ``GET /health`` gets its 200 and the connection trickling its head longest is closed
+    (408), long before its head timeout; the others stay open."""
+    port, protocol = cap_server
+    slow = [await open_sending(port, SLOW_HEAD) for _ in range(CAP)]
+    try:
+        answer = await get_health(port)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        first = await closed_within(slow[0][0], 2.0)
+        assert first is not None and first.startswith(b"HTTP/1.1 408"), first
+        for reader, _ in slow[1:]:
+            assert await closed_within(reader, 0.05) is None, "a younger slow head was closed"
+        assert protocol.refused == [408]
+    finally:
+        for _, writer in slow:
+            writer.close()
+
+
+async def test_the_cap_never_closes_a_request_being_served_or_a_body_being_received(
+        cap_server):
+    """Older connections receiving a body or being served are passed over for the one slow
+    head; once only they hold the cap, a new connection is refused 503 and they all stay
+    open."""
+    port, protocol = cap_server
+    busy = [await open_sending(port, BODY_BEGUN) for _ in range(CAP // 2)]
+    busy += [await open_sending(port, BEING_SERVED) for _ in range(CAP // 2 - 1)]
+    slow_reader, slow_writer = await open_sending(port, SLOW_HEAD)
+    try:
+        answer = await get_health(port)  # closes the slow head, then its own connection
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        closed = await closed_within(slow_reader, 2.0)
+        assert closed is not None and closed.startswith(b"HTTP/1.1 408"), closed
+        busy.append(await open_sending(port, BODY_BEGUN))  # the cap again, none closable
+        await asyncio.sleep(0.2)  # the server has seen the two closed connections go
+        answer = await get_health(port)
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        for reader, _ in busy:
+            assert await closed_within(reader, 0.05) is None, "a busy connection was closed"
+        assert protocol.refused == [408, 503]
+    finally:
+        slow_writer.close()
+        for _, writer in busy:
+            writer.close()

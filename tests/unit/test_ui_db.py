@@ -197,6 +197,32 @@ def test_fresh_store_gets_the_schema_of_before(ui_python, new_store):
                                   **created["schema"]}
 
 
+def test_first_release_store_gets_the_props_default(ui_python, new_store):
+    """A store of the UI's first release (``elements.props`` without its default) upgraded as
+    at start: ``props`` gets the default of a fresh store, the ``NULL`` that release stored for
+    an element without props becomes ``{}``, every other row stays; an element Chainlit's data
+    layer stores without props afterwards gets ``{}`` too, and both read back."""
+    url, fresh = new_store("first"), new_store("fresh")
+    _, _, before, upgraded, _, after, read, last, new = probe(
+        ui_python, ["legacy", url, "first-release"], ["conversation", url], ["snapshot", url],
+        ["upgrade", url], ["upgrade", fresh], ["snapshot", url], ["element", url],
+        ["snapshot", url], ["snapshot", fresh])
+    assert [r["props"] for r in before["rows"]["elements"]] == [None]  # the first release's
+    assert upgraded == {}
+    assert after["schema"] == new["schema"]
+    assert after["rows"]["elements"] == [{**row, "props": "{}"}
+                                         for row in before["rows"]["elements"]]
+    assert {t: r for t, r in after["rows"].items() if t != "elements"} == {
+        t: r for t, r in before["rows"].items() if t != "elements"}
+    assert after["thread"]["steps"] == before["thread"]["steps"]
+    assert [r["props"] for r in last["rows"]["elements"]] == ["{}", "{}"]
+    # Chainlit 2.12's get_element json.loads the column, which asyncpg already returns decoded
+    # from JSONB: on PostgreSQL it fails for every element, default or not.
+    if url.startswith("sqlite"):
+        assert read == {"6f1c2a0e-0000-4000-8000-000000000004": {},
+                        "6f1c2a0e-0000-4000-8000-000000000006": {}}
+
+
 def test_failed_upgrade_changes_nothing(ui_python, new_store, tmp_path):
     """A revision that fails half-way (after its column) leaves the store as it was: not even
     the baseline's adoption is recorded, so the next start tries again from the same place."""

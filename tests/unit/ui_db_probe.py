@@ -5,10 +5,14 @@ Alembic, Chainlit): builds and reads conversation stores.
 *arguments]``; prints the JSON list of their results. The actions:
 
 - ``legacy``: create the schema as ``ui/db.py`` did before migrations (``BEFORE_MIGRATIONS``,
-  its DDL as of commit 12708ea), nothing else;
+  its DDL as of commit 12708ea), nothing else; ``legacy URL first-release``: as the UI's first
+  release did (commit 281cace: the same but for ``elements.props``, without its default);
 - ``conversation``: write a conversation through Chainlit's own ``SQLAlchemyDataLayer``: a
   user, a thread, a user message with an image (stored under a temporary directory; its
   row without ``props``), an answer with our step metadata, a feedback;
+- ``element``: store one more image element without props in the conversation's thread
+  through Chainlit's data layer, then read both elements back with its ``get_element``:
+  ``{id: props}``, a failed read as its error;
 - ``sql``: run one statement;
 - ``upgrade``: ``ui.db.upgrade`` (what the UI runs at start), with the script directory given
   as argument if any; a failure is reported as ``{"error": ...}``;
@@ -40,6 +44,7 @@ TABLES = ("users", "threads", "steps", "elements", "feedbacks")
 USER, THREAD = "alice", "6f1c2a0e-0000-4000-8000-000000000001"
 QUESTION, ANSWER = "6f1c2a0e-0000-4000-8000-000000000002", "6f1c2a0e-0000-4000-8000-000000000003"
 IMAGE, FEEDBACK = "6f1c2a0e-0000-4000-8000-000000000004", "6f1c2a0e-0000-4000-8000-000000000005"
+NEW_IMAGE = "6f1c2a0e-0000-4000-8000-000000000006"
 
 #: ``ui/db.py``'s ``SCHEMA`` and ``TYPES`` before migrations (commit 12708ea), verbatim: what a
 #: store created by that UI holds.
@@ -114,14 +119,18 @@ CREATE TABLE IF NOT EXISTS feedbacks (
     FOREIGN KEY ("threadId") REFERENCES threads("id") ON DELETE CASCADE
 );
 """
+#: The first release's DDL (commit 281cace): ``elements.props`` had no default.
+FIRST_RELEASE = BEFORE_MIGRATIONS.replace("""{json} DEFAULT '{{}}',""", "{json},")
+assert FIRST_RELEASE != BEFORE_MIGRATIONS
 TYPES = {
     "postgresql": {"uuid": "UUID", "json": "JSONB", "text_array": "TEXT[]"},
     "sqlite": {"uuid": "TEXT", "json": "TEXT", "text_array": "TEXT"},
 }
 
 
-async def legacy(url: str) -> dict:
-    ddl = BEFORE_MIGRATIONS.format(**TYPES[make_url(url).get_backend_name()])
+async def legacy(url: str, release: str = "before-migrations") -> dict:
+    ddl = {"before-migrations": BEFORE_MIGRATIONS, "first-release": FIRST_RELEASE}[release]
+    ddl = ddl.format(**TYPES[make_url(url).get_backend_name()])
     engine = create_async_engine(url)
     async with engine.begin() as conn:
         for statement in filter(str.strip, ddl.split(";")):
@@ -166,6 +175,26 @@ async def conversation(url: str) -> dict:
                                          comment="right", id=FEEDBACK))
     await layer.engine.dispose()
     return {}
+
+
+async def element(url: str) -> dict:
+    import chainlit as cl
+    from chainlit.context import init_http_context
+
+    init_http_context(thread_id=THREAD)
+    layer = data_layer(url)
+    await layer.create_element(cl.Image(id=NEW_IMAGE, name="dog.png", content=b"\x89PNG",
+                                        mime="image/png", display="inline",
+                                        thread_id=THREAD, for_id=QUESTION))
+    read = {}
+    for element_id in (IMAGE, NEW_IMAGE):
+        try:
+            found = await layer.get_element(THREAD, element_id)
+            read[element_id] = found["props"] if found else None
+        except Exception as exc:  # noqa: BLE001 - the test reads what the data layer raised
+            read[element_id] = f"{type(exc).__name__}: {exc}"
+    await layer.engine.dispose()
+    return read
 
 
 async def sql(url: str, statement: str) -> dict:
@@ -230,8 +259,8 @@ async def snapshot(url: str) -> dict:
     return found
 
 
-ACTIONS = {"legacy": legacy, "conversation": conversation, "sql": sql, "head": head,
-           "upgrade": upgrade, "snapshot": snapshot}
+ACTIONS = {"legacy": legacy, "conversation": conversation, "element": element, "sql": sql,
+           "head": head, "upgrade": upgrade, "snapshot": snapshot}
 
 
 async def main(calls: list[list[str]]) -> list:
