@@ -18,7 +18,7 @@ UI_PY := $(UI_VENV)/bin/python
 UI_STAMP := $(UI_VENV)/.installed
 UI_PORT ?= 8080
 
-.PHONY: install demo serve serve-full model test test-fast clean help system-deps ui-install ui monitoring-check prometheus bench bench-control bench-autotune lint
+.PHONY: install demo serve serve-full model test test-fast clean help system-deps ui-install ui monitoring-check prometheus bench bench-autotune bench-layers lint
 
 help:
 	@echo "make demo   - API + chat UI on the tiny model; prints both URLs when ready (login demo/demo)"
@@ -26,8 +26,8 @@ help:
 	@echo "make test   - run the test suite (real tiny engine on CPU)"
 	@echo "make test-fast - the unit tier only (no engine, no browser; under a minute)"
 	@echo "make lint   - ruff (configured in pyproject.toml) over the whole tree"
-	@echo "make bench  - our stack against raw vLLM on the same engine (~10 min); prints the ratios"
-	@echo "make bench-control - the same run with raw vLLM on both sides: this machine's noise floor"
+	@echo "make bench-layers - our layers' instructions per request and per token under cachegrind (~30 s); fails past +2 % of bench/layers-baseline.json"
+	@echo "make bench  - ours vs raw vLLM vs raw vLLM (A/A), interleaved blocks (~15 min); one verdict line"
 	@echo "make serve  - serve the real $(notdir $(REAL_MODEL)) from WEIGHTS=$(WEIGHTS)"
 
 install: $(STAMP)
@@ -73,13 +73,14 @@ serve-full: install
 	$(PY) -m serve --model $(FULL_MODEL) --load-format dummy --host $(HOST) --port $(PORT)
 
 # Debian packages the tests drive for real: Chromium (UI tests; Playwright's own browser
-# download needs internet) and Prometheus + promtool (monitoring tests).
+# download needs internet), Prometheus + promtool (monitoring tests) and valgrind
+# (`make bench-layers` counts instructions under its cachegrind).
 system-deps:
 	@if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null \
-	    || ! command -v prometheus >/dev/null; then \
+	    || ! command -v prometheus >/dev/null || ! command -v valgrind >/dev/null; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium prometheus; \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium prometheus valgrind; \
 	fi
 
 lint: install
@@ -91,16 +92,19 @@ test-fast: install model
 test: install model ui-install system-deps
 	$(PY) -m pytest -q
 
-# What our layers cost: ours vs raw vLLM (same engine arguments) vs ours at limit 1, W1-W5 and
-# memory, ~10 min on this CPU; writes bench/results/ and the README's benchmark table.
+# Ours against raw vLLM with a second raw vLLM as the A/A control, in interleaved blocks
+# (~15 min on this CPU, alone on the machine); appends to bench/results/ledger.jsonl, writes
+# bench/results/bench.md and ends with one `verdict ... result=...` line (bench/README.md).
 bench: install model
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m bench.compare $(BENCH_ARGS)
 
-# `make bench` with a second raw vLLM in ours' place: what identical servers score (~12 min).
-bench-control: install model
-	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) -m bench.compare --control $(BENCH_ARGS)
+# The deterministic gate on our per-token cost: our layers in front of a scripted vLLM-like peer
+# (no engine) under cachegrind, instructions per request and per streamed token over the bare
+# peer's (~30 s); exits 1 past +2 % of bench/layers-baseline.json (bench/README.md).
+# BENCH_ARGS=--update-baseline rewrites that file.
+bench-layers: install system-deps
+	$(PY) -m bench.layers_gate $(BENCH_ARGS)
 
 # Goodput of the max_num_seqs autotuner vs static limits: on the engine simulator (~10 s),
 # then on the real tiny engine on CPU (~18 min: this machine's capacity first, then one server

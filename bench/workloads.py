@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import io
 import json
-import statistics
 import threading
 import time
 from base64 import b64encode
@@ -31,7 +30,6 @@ from pathlib import Path
 
 import httpx
 
-from serve.admission.engine_stats import percentile
 from serve.admission.goodput import SloTargets
 from serve.sse import data_event
 
@@ -192,11 +190,9 @@ async def multiturn(base_url: str, model: str, conversations: list[list[str]],
 
 
 # --- W4: a burst at an idle server ----------------------------------------------------------
-async def burst(base_url: str, model: str, images: list[str],
-                max_tokens: int = 16) -> tuple[list[StreamResult], float]:
-    """W4: one small-image chat per image, all sent at once. Returns results and makespan."""
-    bodies = [chat_body(model, [user_turn(f"Describe picture {i}.", [url])], max_tokens)
-              for i, url in enumerate(images)]
+async def burst(base_url: str, bodies: list[bytes]) -> tuple[list[StreamResult], float]:
+    """W4: every request of ``bodies`` (:func:`chat_body`) sent at once. Returns the results
+    and the makespan (seconds from the first send to the last answer's end)."""
     async with _client() as client:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(stream_chat(client, base_url, b) for b in bodies))
@@ -292,12 +288,13 @@ W1_COMMON = ("--dataset-name", "random-mm", "--random-input-len", "64",
 
 def serving_benchmark(base_url: str, model_dir: Path, model_name: str, kind: str,
                       concurrency: int, num_prompts: int, seed: int, log,
-                      slo: SloTargets | None = None) -> dict:
+                      slo: SloTargets | None = None, warmups: int = 1) -> dict:
     """W1: one run of ``vllm.benchmarks.serve`` (its ``main``), output to ``log``.
 
     ``slo``: the latency targets its goodput is judged by (vLLM's own ``--goodput
     ttft:MS tpot:MS``, DistServe's definition: a request counts when its TTFT and its TPOT,
     ``(latency - TTFT) / (output tokens - 1)``, both meet their target); None: no goodput.
+    ``warmups``: unscored requests vLLM's benchmark sends first (0 where the server is warm).
 
     Returns vLLM's result dict with the per-request details (``--save-detailed``):
     ``completed``, ``duration`` (s), ``total_output_tokens``, ``ttfts`` (s per request),
@@ -316,11 +313,17 @@ def serving_benchmark(base_url: str, model_dir: Path, model_name: str, kind: str
         "--trust-remote-code", *W1_COMMON, *W1_KINDS[kind], "--num-prompts", str(num_prompts),
         "--max-concurrency", str(concurrency), "--seed", str(seed), "--temperature", "0",
         "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99",
-        "--disable-tqdm", "--num-warmups", "1", "--save-detailed",
+        "--disable-tqdm", "--num-warmups", str(warmups), "--save-detailed",
         *(("--goodput", f"ttft:{slo.ttft_s * 1000:g}", f"tpot:{slo.itl_s * 1000:g}")
           if slo is not None else ())])
     with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return main(args)
+
+
+def served_model(base_url: str) -> str:
+    """The first model id a server lists on ``/v1/models``."""
+    with httpx.Client(timeout=30) as client:
+        return client.get(base_url + "/v1/models").json()["data"][0]["id"]
 
 
 def engine_ttft_totals(base_url: str) -> tuple[float, float]:
@@ -342,36 +345,3 @@ def engine_ttft_totals(base_url: str) -> tuple[float, float]:
             elif sample.name.endswith("_count"):
                 count += sample.value
     return total, count
-
-
-def pool_runs(runs: list[dict]) -> dict:
-    """One W1 cell from several runs of :func:`serving_benchmark` (halves of the prompts):
-    totals over their summed durations, percentiles over the pooled requests.
-
-    Returns ``completed``, ``failed``, ``duration`` (s), ``request_throughput`` (req/s),
-    ``output_throughput`` (tokens/s), ``median_ttft_ms``, ``p99_ttft_ms``, ``median_itl_ms``,
-    ``p99_itl_ms``, and where every run has it (:func:`engine_ttft_totals`), ``mean_ttft_ms``
-    (client-side) and ``engine_mean_ttft_ms`` (vLLM's engine-side mean over the same runs),
-    and ``request_goodput`` (req/s meeting the SLO, over the summed durations) where every run
-    measured it (:func:`serving_benchmark` ``slo``).
-    """
-    duration = sum(r["duration"] for r in runs)
-    ttfts = [t for r in runs for t, e in zip(r["ttfts"], r["errors"], strict=False) if not e]
-    itls = [i for r in runs for per in r["itls"] for i in per]
-    return {
-        "completed": sum(r["completed"] for r in runs),
-        "failed": sum(r["failed"] for r in runs),
-        "duration": duration,
-        "request_throughput": sum(r["completed"] for r in runs) / duration,
-        "output_throughput": sum(r["total_output_tokens"] for r in runs) / duration,
-        "median_ttft_ms": percentile(ttfts, 50) * 1000,
-        "p99_ttft_ms": percentile(ttfts, 99) * 1000,
-        "median_itl_ms": percentile(itls, 50) * 1000,
-        "p99_itl_ms": percentile(itls, 99) * 1000,
-        **({"mean_ttft_ms": statistics.mean(ttfts) * 1000,
-            "engine_mean_ttft_ms": statistics.mean(r["engine_mean_ttft_ms"] for r in runs)}
-           if ttfts and all("engine_mean_ttft_ms" in r for r in runs) else {}),
-        **({"request_goodput": sum(r["request_goodput"] * r["duration"] for r in runs)
-            / duration}
-           if all(r.get("request_goodput") is not None for r in runs) else {}),
-    }

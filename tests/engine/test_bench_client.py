@@ -6,14 +6,14 @@ from __future__ import annotations
 import io
 
 from bench.process import TINY_MODEL
-from bench.workloads import pool_runs, serving_benchmark
+from bench.workloads import serving_benchmark
 from serve.admission.goodput import SloTargets
 
 
 def test_vllm_serving_benchmark_scores_goodput_by_our_targets(server):
     """Four text chats at concurrency 2: under lenient targets every finished request is good
     (goodput = throughput); under a TTFT target no request can meet (1 us) none is; without
-    targets no goodput is scored. The pooled cell keeps it as requests per second."""
+    targets no goodput is scored."""
     def bench(slo: SloTargets | None) -> dict:
         return serving_benchmark(server.base_url, TINY_MODEL, server.model, "text", 2, 4, 0,
                                  io.StringIO(), slo)
@@ -24,6 +24,3 @@ def test_vllm_serving_benchmark_scores_goodput_by_our_targets(server):
     impossible = bench(SloTargets(1e-6, 5.0))
     assert impossible["completed"] == 4 and impossible["request_goodput"] == 0.0
     assert bench(None).get("request_goodput") is None
-    pooled = pool_runs([lenient, impossible])
-    assert abs(pooled["request_goodput"]
-               - 4 / (lenient["duration"] + impossible["duration"])) < 1e-9
