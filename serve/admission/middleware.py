@@ -36,7 +36,7 @@ from serve.asgi import (
 from serve.errors import ENGINE_LOST, RETRY_AFTER_S, error_body, openai_error
 from serve.metrics import Metrics
 from serve.routes import GENERATION_ROUTES
-from serve.sse import CHAT_SSE, SseDialect, dialect, is_event_stream
+from serve.sse import CHAT_END, CHAT_SSE, SseDialect, dialect, is_event_stream
 
 
 @dataclass(eq=False)  # identity: the middleware keeps the open ones in a set
@@ -78,9 +78,13 @@ class ResponseTracker:
         after a cut. Returns ``channel``."""
         self._channel = channel
         sse, times, clock = self.sse, self.chunk_times, self.clock
+        # This runs for every streamed token, so a chat stream's two tests are inlined (no
+        # Python call each): every chat event carries tokens (``SseDialect.tokens`` empty),
+        # and its end is the suffix ``SseDialect.has_done`` tests for.
+        every_event = not sse.tokens
+        chat_end = CHAT_END if sse.chunks else None
 
         def tracked(message: Message) -> bool:
-            # Runs for every streamed token: locals, and at most two byte tests.
             if self.is_cut:
                 return True
             if message["type"] == "http.response.body":
@@ -91,10 +95,11 @@ class ResponseTracker:
                         if len(self.body) < 1 << 20:
                             self.body.extend(chunk)
                     else:
-                        if sse.carries_tokens(chunk):
+                        if every_event or sse.carries_tokens(chunk):
                             times.append(clock())
                         if not self.done_marker:
-                            self.done_marker = sse.has_done(chunk)
+                            self.done_marker = (chunk.endswith(chat_end) if chat_end
+                                                else sse.has_done(chunk))
                 if not message.get("more_body", False):
                     self.finished = True
             elif message["type"] == "http.response.start":
