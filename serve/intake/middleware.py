@@ -12,6 +12,8 @@ A completions prompt is raw text without images: only the shared checks apply (`
 The event loop only moves bytes: parsing the multi-MB JSON, base64 decoding, image decoding
 and tokenisation run in a worker thread (one hop per request, two when an image URL has to be
 fetched in between), so running streams keep their inter-token latency while photos arrive.
+With image workers (``--image-workers``, ``serve.intake.workers``) that thread hands each
+image's pixel work to a worker process and waits for it: the same bytes come back.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from serve.intake.request import (
 )
 from serve.intake.responses import parse_responses_request
 from serve.intake.urls import UrlPolicy, fetch_image_url
+from serve.intake.workers import ImageWorkers
 from serve.routes import CHAT, COMPLETIONS, GENERATION_ROUTES, RESPONSES
 
 log = logging.getLogger("serve.intake")
@@ -69,12 +72,13 @@ class IntakeMiddleware:
         default_num_crops: the server's ``num_crops`` (a request may ask for another).
         default_max_tokens: ``max_tokens`` of a request that sets neither it nor
             ``max_completion_tokens`` (clamped to what the context leaves).
+        workers: the process pool that prepares images; None: the worker thread does.
     """
 
     def __init__(self, app: ASGIApp, limits: RequestLimits, image_policy: ImagePolicy,
                  url_policy: UrlPolicy, budget: PromptBudget | None = None,
                  cache: ImageCache | None = None, default_num_crops: int = 1,
-                 default_max_tokens: int = 2048) -> None:
+                 default_max_tokens: int = 2048, workers: ImageWorkers | None = None) -> None:
         self.app = app
         self.limits = limits
         self.image_policy = image_policy
@@ -83,6 +87,8 @@ class IntakeMiddleware:
         self.cache = cache if cache is not None else ImageCache(0)
         self.default_num_crops = default_num_crops
         self.default_max_tokens = default_max_tokens
+        #: ``prepare_image`` or the same function in a worker process.
+        self.prepare_image = workers.prepare if workers is not None else prepare_image
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         protocol = GENERATION_ROUTES.get(scope.get("path"))
@@ -216,8 +222,8 @@ class IntakeMiddleware:
             image = self.cache.get(key)
             if image is None:
                 encoded = fetched[k] if payload is None else decode_base64(payload, ref.param)
-                image = prepare_image(encoded, self.image_policy, crops, ref.param,
-                                      base64_payload=payload)
+                image = self.prepare_image(encoded, self.image_policy, crops, ref.param,
+                                           base64_payload=payload)
                 self.cache.put(key, image)
             ref.set_url(image.url)
             sizes.append((image.width, image.height))

@@ -12,6 +12,7 @@ from serve.intake.images import ImagePolicy
 from serve.intake.middleware import IntakeMiddleware
 from serve.intake.request import RequestLimits
 from serve.intake.urls import UrlPolicy
+from serve.intake.workers import ImageWorkers
 from serve.settings import Settings
 
 
@@ -26,6 +27,8 @@ class Intake:
     default_num_crops: int
     default_max_tokens: int
     budget: PromptBudget | None = None
+    #: The process pool images are prepared in (``--image-workers``); None: worker threads.
+    workers: ImageWorkers | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Intake":
@@ -43,12 +46,14 @@ class Intake:
                       max_bytes=s.max_image_bytes, read_timeout_s=s.image_url_timeout_s,
                       total_timeout_s=s.image_url_timeout_s,
                       max_redirects=s.image_url_max_redirects),
-            ImageCache(s.image_cache_bytes), s.num_crops, s.default_max_tokens)
+            ImageCache(s.image_cache_bytes), s.num_crops, s.default_max_tokens,
+            workers=ImageWorkers(s.image_workers) if s.image_workers else None)
 
     def wrap(self, app) -> IntakeMiddleware:
         """``app`` behind the intake (call :meth:`load_budget` first)."""
         return IntakeMiddleware(app, self.limits, self.images, self.urls, self.budget,
-                                self.cache, self.default_num_crops, self.default_max_tokens)
+                                self.cache, self.default_num_crops, self.default_max_tokens,
+                                self.workers)
 
     async def load_budget(self, engine, settings: Settings) -> None:
         """Attach the prompt-length check, with the engine's tokenizer and context length."""
