@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 
 from bench.trace import Trace, TraceRequest
 from serve.admission.capacity import kv_safe_seqs
-from serve.admission.controller import Controller, ControllerConfig, Decision
+from serve.admission.controller import Controller, ControllerConfig
 from serve.admission.engine_stats import EngineStatsFeed
 from serve.admission.goodput import SloTargets, streamed_good
 from serve.admission.limiter import (
@@ -53,6 +53,7 @@ from serve.admission.limiter import (
 from serve.admission.limiter import SLO as SLO_REJECT
 from serve.admission.limiter import burst_window_s as burst_window
 from serve.admission.loop import AutotuneLoop
+from serve.admission.signals import Decision
 from serve.settings import Settings
 
 
@@ -357,7 +358,7 @@ class SimGate:
         limit, max_queue, max_queue_wait_s, clock: as :class:`AdmissionLimiter`.
         shed_ttft_s: TTFT target for SLO shedding (and the engine queue's bound), None to
             disable it.
-        ceiling, engine_queue: as :class:`SlotCounter` (no engine queue by default).
+        ceiling, engine_queue, ablate: as :class:`SlotCounter` (no engine queue by default).
         on_admit: called with ``(result, slot)`` when a request enters the engine.
         on_drop: called with ``(result, reason)`` when the gate rejects a request.
     """
@@ -367,10 +368,10 @@ class SimGate:
                  on_admit: Callable[[RequestResult, Slot], None],
                  on_drop: Callable[[RequestResult, str], None],
                  ceiling: int | None = None, engine_queue: int = 0,
-                 burst_window_s: float = 2.0) -> None:
+                 burst_window_s: float = 2.0, ablate: frozenset[str] = frozenset()) -> None:
         self.slots = SlotCounter(limit, clock=clock, on_free=self._wake, ceiling=ceiling,
                                  engine_queue=engine_queue, engine_queue_wait_s=shed_ttft_s,
-                                 burst_window_s=burst_window_s)
+                                 burst_window_s=burst_window_s, ablate=ablate)
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self.clock = clock
@@ -486,7 +487,8 @@ class Simulation:
                             else None, self._admit, self._drop,
                             ceiling=None if unlimited else engine.max_num_seqs,
                             engine_queue=setup.engine_queue,
-                            burst_window_s=burst_window(setup.slo.ttft_s, setup.interval_s))
+                            burst_window_s=burst_window(setup.slo.ttft_s, setup.interval_s),
+                            ablate=setup.controller.ablate if mode == "auto" else frozenset())
         self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock,
                                     step_tokens=engine.max_num_batched_tokens)
         config = replace(setup.controller, ceiling=engine.max_num_seqs,

@@ -136,6 +136,7 @@ class Verdict:
     flagged: int = 0
     burst_non200: int = 0
     rss: float = NAN
+    commits: list[str] = field(default_factory=list)
 
 
 def read_ledger(path: Path | str) -> list[dict]:
@@ -345,8 +346,11 @@ def judge(records: Iterable[Mapping], level: float = LEVEL) -> Verdict:
     result = ("unresolved" if not valid else "fail" if "fail" in verdicts
               else "inconclusive" if "inconclusive" in verdicts else "pass")
     runs = sorted({str(r["run"]) for r in records if "run" in r})
+    commits = list(dict.fromkeys(
+        f"{str(r.get('commit', '?'))[:12]}{'-dirty' if r.get('dirty') else ''}"
+        for r in records if "run" in r))
     return Verdict(valid, result, targets, validity, notes, runs, len(blocks), superseded,
-                   flagged, non200, rss)
+                   flagged, non200, rss, commits)
 
 
 def _ours_values(blocks: BlockMap, cell: str, metric: str) -> list[float]:
@@ -405,7 +409,8 @@ def _margin(t: Target) -> str:
 
 def summary_lines(v: Verdict) -> list[str]:
     """What was pooled, each target and each A/A interval, one line each."""
-    lines = [f"pooled {len(v.runs)} run(s) ({', '.join(v.runs)}), {v.blocks} blocks, "
+    lines = [f"commit {', '.join(v.commits) or '?'}: pooled {len(v.runs)} run(s) "
+             f"({', '.join(v.runs)}), {v.blocks} blocks, "
              f"{v.reruns} rerun segment(s), {v.flagged} flagged segment(s) kept"]
     for t in v.targets.values():
         d = 3 if t.kind == "ratio" else 2
@@ -452,7 +457,8 @@ def markdown_table(v: Verdict, records: Iterable[Mapping], level: float = LEVEL)
     blocks, _, _ = blocks_of(records)
     pct = f"{100 * level:g} %"
     out = ["# make bench: verdict", "", f"`{verdict_line(v)}`", "",
-           f"Pooled {len(v.runs)} run(s): {', '.join(v.runs) or 'none'}; {v.blocks} blocks; "
+           f"Commit {', '.join(v.commits) or '?'}. Pooled {len(v.runs)} run(s): "
+           f"{', '.join(v.runs) or 'none'}; {v.blocks} blocks; "
            f"{v.reruns} rerun segment(s); {v.flagged} flagged segment(s) kept.", ""]
     out += [f"## Targets ({pct} intervals over blocks; ratios ours/raw, ms ours minus raw)", "",
             "| target | estimate | t-interval | bootstrap | margin | verdict | blocks | note |",

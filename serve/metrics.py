@@ -41,8 +41,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from serve.admission.controller import REASONS as DECISION_REASONS
 from serve.admission.limiter import REJECT_REASONS
+from serve.admission.signals import REASONS as DECISION_REASONS
 from serve.routes import GENERATION_ROUTES
 
 #: Buckets (seconds) for queue wait and gateway-side TTFT: 10 ms .. 2 min.

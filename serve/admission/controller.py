@@ -65,16 +65,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Literal
 
-from serve.admission.engine_stats import ItlLine
-
-Direction = Literal["up", "down", "hold"]
-
-#: ``reason`` label values of ``phi3v_autotuner_decisions_total``.
-REASONS = ("demand", "kv_fit", "itl_fit", "slo_ttft", "slo_itl", "preemption", "kv_cache",
-           "cooldown", "draining", "steady", "idle", "static", "bound", "burst")
-
+from serve.admission import fits
+from serve.admission.rules import check as check_rules
+from serve.admission.signals import Decision, Direction, Signals
 
 #: Deepest single cut on a latency breach (fraction of the limit kept).
 MIN_CUT_FACTOR = 0.5
@@ -110,6 +104,8 @@ class ControllerConfig:
         kv_high_ratio: KV-cache usage (0-1) treated as full: vLLM preempts soon after.
         gpu_busy_ratio: GPU utilization (0-1) above which adding sequences is not expected to
             add throughput; ignored where utilization is unavailable (CPU).
+        ablate: names of :data:`serve.admission.rules.RULES` switched off (the ablation
+            benchmark only; empty in the server).
     """
 
     min_seqs: int
@@ -123,6 +119,7 @@ class ControllerConfig:
     cooldown_s: float
     kv_high_ratio: float
     gpu_busy_ratio: float = 0.98
+    ablate: frozenset[str] = frozenset()
 
     @classmethod
     def from_settings(cls, settings) -> "ControllerConfig":
@@ -143,72 +140,11 @@ class ControllerConfig:
             raise ValueError("decrease_factor must be in (0, 1)")
         if not 0 < self.headroom <= 1:
             raise ValueError("headroom must be in (0, 1]")
+        object.__setattr__(self, "ablate", check_rules(self.ablate))
 
-
-@dataclass(frozen=True)
-class Signals:
-    """One sample of the system, taken every ``interval_s``.
-
-    Attributes:
-        t: monotonic time of the sample, seconds.
-        pending: requests queued at the gateway (admission queue length).
-        in_flight: requests admitted into the engine (<= current limit).
-        engine_running: vLLM ``num_requests_running``.
-        engine_waiting: vLLM ``num_requests_waiting``.
-        kv_cache_usage: vLLM KV-cache usage, 0-1.
-        preemptions: engine preemptions since the previous sample.
-        ttft_p90_s: engine-side TTFT p90 over the sliding window, seconds (None: no samples).
-        itl_p90_s: p90 over the requests finished in the window of their mean inter-token
-            latency (TPOT: what the goodput rule judges a request by), seconds (None: no
-            samples).
-        gpu_utilization: 0-1 from NVML, None where unavailable (CPU).
-        arrivals: requests that arrived since the previous sample (admitted, queued or
-            refused; None: unknown).
-        mean_request_tokens: mean KV footprint (prompt + generated tokens) of recently
-            finished requests, None before the first.
-        mean_prompt_tokens: mean prompt tokens of recently finished requests, None before
-            the first.
-        prefill_tokens_per_s: prompt tokens/s the engine prefilled on the last burst
-            (:class:`~serve.admission.engine_stats.EngineStatsFeed`), None before one.
-        engine_queued: requests admitted past the ceiling, waiting inside vLLM for a batch
-            slot (the limiter's engine queue; 0 below the ceiling).
-        itl_line: the finished requests' TPOT against the mean batch they decoded in,
-            ``intercept_s + slope_s x n`` seconds, and the spread of the slower ones above it
-            (:class:`~serve.admission.engine_stats.ItlLine`), None before a fit.
-    """
-
-    t: float
-    pending: int = 0
-    in_flight: int = 0
-    engine_running: int = 0
-    engine_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    preemptions: int = 0
-    ttft_p90_s: float | None = None
-    itl_p90_s: float | None = None
-    gpu_utilization: float | None = None
-    arrivals: int | None = None
-    mean_request_tokens: float | None = None
-    mean_prompt_tokens: float | None = None
-    prefill_tokens_per_s: float | None = None
-    engine_queued: int = 0
-    itl_line: ItlLine | None = None
-
-
-@dataclass(frozen=True)
-class Decision:
-    """A controller output: the new limit, which way it moved and why."""
-
-    t: float
-    old_limit: int
-    new_limit: int
-    direction: Direction
-    reason: str
-
-    @property
-    def is_cut(self) -> bool:
-        """A decrease on an overload signal (not the restore of an idle limit)."""
-        return self.direction == "down" and self.reason != "idle"
+    def on(self, rule: str) -> bool:
+        """Whether ``rule`` (a :data:`serve.admission.rules.RULES` name) is in force."""
+        return rule not in self.ablate
 
 
 @dataclass
@@ -272,9 +208,9 @@ class Controller:
         burst's own sizes. None before any rate is known, and where no capacity was set (a
         pinned ``--admission-limit``: admission by count only).
         """
-        if not self.kv_tokens or not prefill_tokens_per_s:
+        if not self.kv_tokens or not self.config.on("burst_budget"):
             return None
-        return math.floor(prefill_tokens_per_s * self.config.ttft_target_s)
+        return fits.prefill_budget(prefill_tokens_per_s, self.config.ttft_target_s)
 
     def idle_limit(self, s: Signals) -> int:
         """The limit an idle engine takes the next burst with (requests).
@@ -311,20 +247,19 @@ class Controller:
 
     def _traffic_limit(self, s: Signals, ttft_fit: bool) -> int:
         c = self.config
-        limit = self.start
         if not self.kv_tokens:
-            return limit  # no capacity given: the start is fixed (or pinned by the operator)
-        if s.mean_request_tokens:
-            limit = math.floor(self.kv_tokens * c.kv_high_ratio / s.mean_request_tokens)
-        itl_fit = self.itl_fit(s)
-        if itl_fit is not None:
-            limit = min(limit, itl_fit)
-        if ttft_fit and s.prefill_tokens_per_s and s.mean_prompt_tokens:
-            limit = min(limit, math.floor(s.prefill_tokens_per_s * c.ttft_target_s
-                                          / s.mean_prompt_tokens))
-        if self._overload_limit is not None:
-            limit = min(limit, self._overload_limit)
-        return self._clamp(limit)
+            return self.start  # no capacity given: the start is fixed (or pinned)
+        bounds = [self.itl_fit(s)]
+        bounds.append(fits.kv_size_fit(self.kv_tokens, c.kv_high_ratio, s.mean_request_tokens)
+                      if c.on("kv_idle_fit") else None)
+        if ttft_fit and c.on("ttft_fit"):
+            bounds.append(fits.ttft_fit(s.prefill_tokens_per_s, c.ttft_target_s,
+                                        s.mean_prompt_tokens))
+        if c.on("overload_limit"):
+            bounds.append(self._overload_limit)
+        if bounds[1] is None:  # before any request finished: the boot figure
+            bounds[1] = self.start
+        return self._clamp(min(b for b in bounds if b is not None))
 
     def _clamp(self, n: int) -> int:
         return max(self.config.min_seqs, min(self.config.ceiling, n))
@@ -345,7 +280,7 @@ class Controller:
         if s.kv_cache_usage >= c.kv_high_ratio:
             return "kv_cache"
         if s.ttft_p90_s is not None and s.ttft_p90_s > c.ttft_target_s \
-                and not s.engine_queued:
+                and not (s.engine_queued and c.on("engine_queue_ttft")):
             return "slo_ttft"
         if s.itl_p90_s is not None and s.itl_p90_s > c.itl_target_s:
             return "slo_itl"
@@ -382,10 +317,12 @@ class Controller:
                             "slo_itl": (s.itl_p90_s, c.itl_target_s)}.get(reason, (None, None))
         if not measured:
             return c.decrease_factor
-        if reason == "slo_itl":
+        if reason == "slo_itl" and c.on("itl_fit_cut"):
             fit = self.itl_fit(s)
             if fit is not None:
                 return max(MIN_CUT_FACTOR, min(c.decrease_factor, fit / self.limit))
+        if not c.on("gradient_cut"):
+            return c.decrease_factor
         return max(MIN_CUT_FACTOR, min(c.decrease_factor, target / measured))
 
     def itl_fit(self, s: Signals) -> int | None:
@@ -404,14 +341,9 @@ class Controller:
         at a fixed 8-16 and missed it at 32 (p90 over mean 1.4-1.5 at each), where the idle
         limit from the KV and TTFT fits was 25.
         """
-        line = s.itl_line
-        if line is None:
+        if not self.config.on("itl_fit"):
             return None
-        room = self.config.itl_target_s / line.p90_ratio - line.intercept_s
-        if line.slope_s <= 0 or room <= 0:
-            return None
-        # 1e-9: a batch exactly at the bound is not lost to rounding.
-        return max(self.config.min_seqs, math.floor(room / line.slope_s + 1e-9))
+        return fits.itl_fit(s.itl_line, self.config.itl_target_s, self.config.min_seqs)
 
     def kv_fit(self, s: Signals) -> int | None:
         """Sequences the KV cache holds below ``kv_high_ratio`` at the current mix, or None
@@ -421,16 +353,16 @@ class Controller:
         share of the cache, extrapolated. An increase past it would be answered by vLLM with
         preemption (recompute), so the controller does not probe beyond it.
         """
-        if s.engine_running <= 0 or s.kv_cache_usage <= 0:
+        if not self.config.on("kv_fit_probe"):
             return None
-        return math.floor(s.engine_running * self.config.kv_high_ratio / s.kv_cache_usage)
+        return fits.kv_fit(s.engine_running, s.kv_cache_usage, self.config.kv_high_ratio)
 
     def step(self, s: Signals) -> Decision:
         """Decide the next limit from one sample; updates ``self.limit``."""
         c = self.config
         old = self.limit
         was_idle = bool(self.decisions) and self.decisions[-1].reason == "idle"
-        if was_idle and (s.in_flight or s.pending or s.arrivals):
+        if was_idle and (s.in_flight or s.pending or s.arrivals) and c.on("burst_grace"):
             # A burst reached the idle engine, admitted at the idle limit (its KV and TTFT
             # fits). Its own prefill stalls the streams decoding beside it: latency over the
             # target for as long as that prefill lasts, within the TTFT target by the TTFT
@@ -441,7 +373,7 @@ class Controller:
             self._burst_ticks = 0
         elif s.t < self._burst_until:
             self._burst_ticks += 1
-            if self._burst_ticks >= 2 and s.arrivals:
+            if self._burst_ticks >= 2 and s.arrivals and c.on("burst_grace_end"):
                 # Still arriving two ticks after the burst began: not a burst but traffic
                 # (a burst arrives within one tick interval; on the CPU engine the grace held
                 # the limit at 32 through the first 5 s of T6's sustained 2x overload).
@@ -457,12 +389,12 @@ class Controller:
             # worst-case KV-safe start: H200 T2's first burst 96 -> 106 good of L=128's 128).
             new = max(old, self.idle_limit(s)) if s.pending else old
             direction, reason = ("up" if new > old else "hold"), "burst"
-        elif reason in SOFT_REASONS and s.in_flight > old:
+        elif reason in SOFT_REASONS and s.in_flight > old and c.on("draining_hold"):
             # The last decrease is still draining (lowering never aborts running requests):
             # the late samples of requests admitted under the old limit would cut again and
             # again (windup, seen on the real CPU engine). Hard signals still cut at once.
             new, direction, reason = old, "hold", "draining"
-        elif reason in SOFT_REASONS and s.t < self._cooldown_until:
+        elif reason in SOFT_REASONS and s.t < self._cooldown_until and c.on("cooldown"):
             # The latency window (and the KV cache, which empties only as requests finish)
             # still reflect the limit before the last decrease: wait for the cooldown before
             # cutting on them again (on the CPU engine, one overload cut the limit 32 -> 8 in
@@ -476,14 +408,14 @@ class Controller:
             # says nothing of it: the CPU suite's T6, chat at 2x capacity, probed 14 -> 18
             # and 15 -> 19 within 1-3 s of each inter-token cut, then cut again, and the
             # requests queued at the higher limit missed their TTFT target at the lower).
-            self._await_sample = None if new >= old else \
+            self._await_sample = None if new >= old or not c.on("await_sample") else \
                 "itl" if reason == "slo_itl" else "ttft"
             direction: Direction = "down" if new < old else "hold"
             if new == old:
                 reason = "bound"
             if s.arrivals:
                 self._sustained_cut = True
-        elif s.t < self._cooldown_until:
+        elif s.t < self._cooldown_until and c.on("cooldown"):
             new, direction, reason = old, "hold", "cooldown"
         elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s) \
                 and not self._await_sample:
@@ -496,7 +428,7 @@ class Controller:
             direction = "up" if new > old else "hold"
             if new == old and reason == "demand":
                 reason = "bound"
-        elif s.in_flight == 0 and s.pending == 0 and not s.arrivals:
+        elif s.in_flight == 0 and s.pending == 0 and not s.arrivals and c.on("idle_restore"):
             # Idle: nothing in flight or queued, and nothing arrived since the last sample
             # (a server shedding every arrival under overload is empty, not idle).
             if not was_idle:  # the busy period ends: remember what its overload settled at

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from serve.admission.rules import check as check_rules
+
 #: Reasons a request is rejected (the ``reason`` label of ``phi3v_rejected_requests_total``).
 QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
@@ -161,10 +163,12 @@ class SlotCounter:
                  ceiling: int | None = None, engine_queue: int = 0,
                  on_free: Callable[[], None] | None = None,
                  engine_queue_wait_s: float | None = None,
-                 burst_window_s: float = 2.0) -> None:
+                 burst_window_s: float = 2.0, ablate: frozenset[str] = frozenset()) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.burst_window_s = burst_window_s
+        #: Rules switched off (:data:`serve.admission.rules.RULES`; the ablation benchmark).
+        self.ablate = check_rules(ablate)
         #: Prompt tokens a burst may bring to an idle engine (None: no budget, count only).
         self.burst_budget: int | None = None
         #: Most requests in flight a burst may reach past the limit by its budget (None: the
@@ -198,7 +202,7 @@ class SlotCounter:
         if self.ceiling is None or self._limit < self.ceiling or not self.engine_queue:
             return self._limit
         queue = self.engine_queue
-        if self.engine_queue_wait_s is not None:
+        if self.engine_queue_wait_s is not None and "engine_queue_wait" not in self.ablate:
             rate = self.completion_rate()
             if rate is not None:
                 queue = min(queue, math.floor(rate * self.engine_queue_wait_s))
@@ -294,7 +298,7 @@ class SlotCounter:
         if burst is not None and self.clock() - max(burst.opened_s, burst.last_s) > \
                 self.burst_window_s:
             self._burst = None
-            if burst.held:
+            if burst.held and "burst_held_lower" not in self.ablate:
                 self._limit = min(self._limit, max(burst.limit, burst.requests))
             return None
         return burst
@@ -421,7 +425,8 @@ class SlotCounter:
         ``slo``, and ``make bench``'s W4 one of 96, while plain vLLM served all). Sustained
         traffic, which keeps the counter busy, is shed as before.
         """
-        if ttft_target_s is None or self._open_burst() is not None:
+        if ttft_target_s is None or (self._open_burst() is not None
+                                     and "burst_no_shed" not in self.ablate):
             return None
         wait = self.expected_wait_s(position)
         return wait if wait is not None and wait > ttft_target_s else None

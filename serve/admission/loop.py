@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from serve.admission.controller import Controller, Decision, Signals
+from serve.admission.controller import Controller
 from serve.admission.engine_stats import EngineStatsFeed
 from serve.admission.limiter import AdmissionLimiter
+from serve.admission.signals import Decision, Signals
 from serve.metrics import Metrics
 
 log = logging.getLogger("serve.autotuner")  # the feature's name in the logs, as before
@@ -136,7 +137,7 @@ class AutotuneLoop:
             self._set_burst_budget(signals.prefill_tokens_per_s)
             if decision.new_limit != self.limiter.limit:
                 self.limiter.set_limit(decision.new_limit)
-            if decision.is_cut:
+            if decision.is_cut and self.controller.config.on("window_restart"):
                 # The latency windows hold the samples that caused the cut: start them afresh
                 # with the requests admitted from now, so the next decision reads the new
                 # limit only (as Envoy's adaptive concurrency filter samples each interval

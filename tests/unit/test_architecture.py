@@ -13,7 +13,8 @@ from tests.helpers import ROOT
 #: the request rules and the route table.
 PURE_MODULES = (
     "serve.admission.controller", "serve.admission.limiter", "serve.admission.engine_stats",
-    "serve.admission.goodput",
+    "serve.admission.goodput", "serve.admission.signals", "serve.admission.fits",
+    "serve.admission.rules",
     "serve.admission.capacity", "serve.plan", "serve.intake.request", "serve.intake.responses",
     "serve.routes", "serve.errors",
 )

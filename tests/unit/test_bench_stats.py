@@ -222,6 +222,8 @@ def test_pooling_two_runs_of_one_commit():
     pool = verdict.select_pool(records)
     v = verdict.judge(pool)
     assert v.runs == ["r1", "r2"] and v.blocks == 6
+    assert v.commits == ["a" * 12]
+    assert verdict.judge(dirty).commits == ["a" * 12 + "-dirty"]
     assert v.targets["throughput"].blocks == 6
     assert verdict.judge(r1).targets["throughput"].blocks == 3
     assert {r["run"] for r in verdict.select_pool(records, commit="bbbb")} == {"r0"}
@@ -237,6 +239,7 @@ def test_cli_prints_the_verdict_last_and_writes_markdown(tmp_path):
                           timeout=60, check=True)
     lines = done.stdout.strip().splitlines()
     assert lines[-1].startswith("verdict ") and LINE.fullmatch(lines[-1]), done.stdout
-    assert lines[0].startswith("pooled 2 run(s) (r1, r2), 8 blocks")
+    assert lines[0].startswith(f"commit {'a' * 12}: pooled 2 run(s) (r1, r2), 8 blocks")
+    assert f"Commit {'a' * 12}." in md.read_text()
     text = md.read_text()
     assert "## text16 (8 blocks)" in text and "| rps |" in text and lines[-1] in text

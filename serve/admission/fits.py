@@ -1,0 +1,78 @@
+"""The fits: how many requests the engine holds under each constraint, from measured signals.
+
+Pure arithmetic (standard library only), each fit a function of what was measured and the
+target it serves. The controller (:mod:`serve.admission.controller`) decides which fits
+bound which move; nothing here keeps state.
+
+- :func:`kv_fit`: the running batch extrapolated to the KV-cache threshold (bounds a probe);
+- :func:`kv_size_fit`: requests of the traffic's mean size that fill the KV cache to the
+  threshold (bounds the idle limit);
+- :func:`ttft_fit`: prompts of the mean size prefilled within the TTFT target;
+- :func:`itl_fit`: the largest batch whose requests keep the inter-token target;
+- :func:`prefill_budget`: prompt tokens prefilled within the TTFT target.
+"""
+
+from __future__ import annotations
+
+import math
+
+from serve.admission.engine_stats import ItlLine
+
+
+def kv_fit(running: int, kv_cache_usage: float, kv_high_ratio: float) -> int | None:
+    """Sequences the KV cache holds below ``kv_high_ratio`` at the current mix, or None when
+    unknown (nothing running, no usage reported).
+
+    ``running x kv_high_ratio / kv_cache_usage``: the running sequences' mean share of the
+    cache, extrapolated (requests; usage and ratio 0-1). Past it vLLM preempts (recompute).
+    """
+    if running <= 0 or kv_cache_usage <= 0:
+        return None
+    return math.floor(running * kv_high_ratio / kv_cache_usage)
+
+
+def kv_size_fit(kv_tokens: int, kv_high_ratio: float,
+                mean_request_tokens: float | None) -> int | None:
+    """Requests of ``mean_request_tokens`` (prompt + generated, tokens) that fill a KV cache
+    of ``kv_tokens`` to ``kv_high_ratio``, or None before any request finished."""
+    if not mean_request_tokens:
+        return None
+    return math.floor(kv_tokens * kv_high_ratio / mean_request_tokens)
+
+
+def prefill_budget(prefill_tokens_per_s: float | None, ttft_target_s: float) -> int | None:
+    """Prompt tokens the engine prefills within the TTFT target at the rate it showed
+    (tokens/s x seconds), or None before a rate is known."""
+    if not prefill_tokens_per_s:
+        return None
+    return math.floor(prefill_tokens_per_s * ttft_target_s)
+
+
+def ttft_fit(prefill_tokens_per_s: float | None, ttft_target_s: float,
+             mean_prompt_tokens: float | None) -> int | None:
+    """Prompts of ``mean_prompt_tokens`` that the engine prefills within the TTFT target:
+    :func:`prefill_budget` / mean prompt (requests), or None when either is unknown. A burst
+    admitted past it misses the target anyway and stretches every running stream's ITL."""
+    if not prefill_tokens_per_s or not mean_prompt_tokens:
+        return None
+    return math.floor(prefill_tokens_per_s * ttft_target_s / mean_prompt_tokens)
+
+
+def itl_fit(line: ItlLine | None, itl_target_s: float, min_seqs: int) -> int | None:
+    """The largest batch whose requests keep the inter-token target (requests), or None.
+
+    From the finished requests' line ``tpot(n) = intercept + slope x n`` and their spread
+    above it (:class:`~serve.admission.engine_stats.ItlLine`): the largest ``n`` with
+    ``tpot(n) x p90_ratio <= itl_target``, where nine requests in ten keep the target (the
+    controller cuts when the p90 of the requests' TPOT is over it). None without a line, with
+    a slope <= 0 (the batch does not slow the streams: a memory-bound engine) and where even
+    the intercept misses the target (the requests are slow whatever the batch: fewer would
+    not help). At least ``min_seqs``.
+    """
+    if line is None:
+        return None
+    room = itl_target_s / line.p90_ratio - line.intercept_s
+    if line.slope_s <= 0 or room <= 0:
+        return None
+    # 1e-9: a batch exactly at the bound is not lost to rounding.
+    return max(min_seqs, math.floor(room / line.slope_s + 1e-9))
