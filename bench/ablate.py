@@ -38,11 +38,13 @@ EARN = 0.02
 
 
 def _job(job: tuple[str, int, tuple[str, ...]]) -> list[tuple[str, Cell]]:
-    """Auto with every rule, then with each of ``rules`` off, on one (profile, seed)."""
+    """Auto with every rule, then with each of ``rules`` off (``a+b``: both at once), on one
+    (profile, seed)."""
     profile, seed, rules = job
     out = [("", c) for c in run_cells(profile, seed, frozenset(), arms=False)]
     for rule in rules:
-        out += [(rule, c) for c in run_cells(profile, seed, frozenset({rule}), arms=False)]
+        off = frozenset(rule.split("+"))
+        out += [(rule, c) for c in run_cells(profile, seed, off, arms=False)]
     return out
 
 
@@ -53,7 +55,7 @@ class RuleCost:
     Attributes:
         rule: the rule's name.
         cost: the largest loss over (profile, trace), fraction (negative: a gain).
-        where: the (profile, trace) of that loss.
+        where: the (profile, trace) of that loss ("nowhere" when no trace lost anything).
         gain: the largest gain over (profile, trace), fraction (>= 0).
         seeds_lost: seeds of ``where`` on which it lost >= :data:`EARN`.
         seeds: seeds run.
@@ -89,8 +91,9 @@ def costs(rows: Sequence[tuple[str, Cell]]) -> list[RuleCost]:
                   for k, v in groups.items()}
         where = max(losses, key=losses.get)
         lost = sum(g < (1 - EARN) * b for g, b in groups[where])
-        out.append(RuleCost(rule, losses[where], "/".join(where), max(0.0, -min(losses.values())),
-                            lost, len(groups[where])))
+        out.append(RuleCost(rule, losses[where],
+                            "/".join(where) if losses[where] > 0 else "nowhere",
+                            max(0.0, -min(losses.values())), lost, len(groups[where])))
     return out
 
 
@@ -99,8 +102,9 @@ def table(rule_costs: Sequence[RuleCost]) -> str:
     lines = ["| rule | what it does | removing it costs | where | best gain without | "
              "seeds lost >= 2 % | verdict |", "|---|---|---|---|---|---|---|"]
     order = list(RULES)
-    for r in sorted(rule_costs, key=lambda r: order.index(r.rule)):
-        lines.append(f"| `{r.rule}` | {RULES[r.rule]} | {100 * r.cost:+.1f} % | {r.where} | "
+    for r in sorted(rule_costs, key=lambda r: (order.index(r.rule.split("+")[0]), r.rule)):
+        what = RULES.get(r.rule, "these rules together")
+        lines.append(f"| `{r.rule}` | {what} | {100 * r.cost:+.1f} % | {r.where} | "
                      f"{100 * r.gain:.1f} % | {r.seeds_lost}/{r.seeds} | "
                      f"{'keep' if r.earns else '**remove**'} |")
     return "\n".join(lines)
@@ -111,11 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ablate", description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--profiles", default=",".join(PROFILES))
-    p.add_argument("--rules", default=",".join(RULES))
+    p.add_argument("--rules", default=",".join(RULES),
+                   help="comma-separated rule names; a+b switches a and b off together")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     args = p.parse_args(argv)
-    rules = tuple(sorted(check({r for r in args.rules.split(",") if r}), key=list(RULES).index))
+    rules = tuple(dict.fromkeys(r for r in args.rules.split(",") if r))
+    for r in rules:
+        check(set(r.split("+")))
     jobs = [(pr, seed, rules) for pr in args.profiles.split(",") if pr
             for seed in range(args.seeds)]
     t0 = time.perf_counter()

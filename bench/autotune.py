@@ -242,7 +242,7 @@ def sim_benchmark(out: Path, seed: int = 0) -> SimReport:
           f"2-4x); SLO TTFT {setup.slo.ttft_s:g} s, ITL {setup.slo.itl_s:g} s; controller "
           f"settings: start {setup.start_limit}, window "
           f"{setup.window_s:g} s, interval {setup.interval_s:g} s, decrease "
-          f"{c.decrease_factor:g}, headroom {c.headroom:g}, cooldown {c.cooldown_s:g} s; "
+          f"{c.decrease_factor:g}, headroom {c.headroom:g}; "
           f"{len(report.rows)} runs in {elapsed:.1f} s")
     print(format_table(report.rows))
     print(f"best static: {report.best_static.label} ({report.best_static.goodput_per_s:.2f}/s);"
@@ -448,14 +448,9 @@ CPU_SLO_TTFT_S = 2.0
 CPU_SLO_ITL_S = 0.05
 CPU_SLO = SloTargets(CPU_SLO_TTFT_S, CPU_SLO_ITL_S)
 #: ``auto``'s extra flags: the shipped controller with its time constants halved (sample
-#: every 1 s instead of 2, latency window 5 s instead of 10, cooldown 3 s instead of 6; the
-#: same ratios), because the CPU trace's phases last 25 s where the simulator's last 180 s.
-#: Measured on the seed-0 CPU trace against the same statics (best: L=32, 482 good):
-#: shipped defaults 416 good (0.86: the ramp from 4 at one step per 2 s misses A's burst);
-#: interval 1 s alone 446 (0.93: with a 10 s window, the image burst's late first tokens stay
-#: in the p90 for 10 decisions and the limit winds down 32 -> 1); all three halved 461 (0.96).
-CPU_AUTO_ARGS = ("--autotune-interval-s", "1", "--autotune-window-s", "5",
-                 "--autotune-cooldown-s", "3")
+#: every 1 s instead of 2, latency window 5 s instead of 10: the same ratio), because the CPU
+#: trace's phases last 25 s where the simulator's last 180 s.
+CPU_AUTO_ARGS = ("--autotune-interval-s", "1", "--autotune-window-s", "5")
 
 
 #: Cores of other processes' CPU time during a replay above which a CPU run is "noisy". On

@@ -152,7 +152,7 @@ class Replay:
         label: ``auto`` or ``L=<n>``.
         results: per-request outcomes, in trace order (trace clock, seconds).
         limits: ``(t, limit)`` polled from ``/admin/autotuner`` (trace clock).
-        fits: ``(t, itl_fit, burst_cap)`` polled with them (None where unknown).
+        fits: ``(t, burst_budget, burst_cap)`` polled with them (None where unknown).
         config: the server's controller config (``/admin/autotuner``): targets, ceiling...
         cut_off: requests still streaming at the drain deadline (cancelled, not good).
         end_s: trace-clock time the replay ended.
@@ -208,7 +208,7 @@ async def replay_http(trace: Trace, base_url: str, bodies: list[bytes] | None = 
                                                               f"L={state['limit']}")
         limits: list[tuple[float, int]] = []
         #: (t, ITL fit, burst cap, ITL line (intercept s, slope s, p90 ratio) or None).
-        fits: list[tuple[float, int | None, int | None, list | None]] = []
+        fits: list[tuple[float, int | None, int | None]] = []
         start = time.monotonic()
 
         async def poll() -> None:
@@ -217,8 +217,7 @@ async def replay_http(trace: Trace, base_url: str, bodies: list[bytes] | None = 
                     now = (await client.get("/admin/autotuner")).json()
                     t = time.monotonic() - start
                     limits.append((t, now["limit"]))
-                    line = (now.get("last_signals") or {}).get("itl_line")
-                    fits.append((t, now.get("itl_fit"), now.get("burst_cap"), line))
+                    fits.append((t, now.get("burst_budget"), now.get("burst_cap")))
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(poll_s)

@@ -39,21 +39,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from bench.trace import Trace, TraceRequest
+from serve.admission.burst import burst_window_s as burst_window
 from serve.admission.capacity import kv_safe_seqs
 from serve.admission.controller import Controller, ControllerConfig
 from serve.admission.engine_stats import EngineStatsFeed
 from serve.admission.goodput import SloTargets, streamed_good
-from serve.admission.limiter import (
-    QUEUE_FULL,
-    QUEUE_TIMEOUT,
-    LimiterSnapshot,
-    Slot,
-    SlotCounter,
-)
+from serve.admission.limiter import QUEUE_FULL, QUEUE_TIMEOUT
 from serve.admission.limiter import SLO as SLO_REJECT
-from serve.admission.limiter import burst_window_s as burst_window
 from serve.admission.loop import AutotuneLoop
 from serve.admission.signals import Decision
+from serve.admission.slots import LimiterSnapshot, Slot, SlotCounter
 from serve.settings import Settings
 
 

@@ -399,8 +399,8 @@ class Settings(BaseSettings):
     autotune_window_s: float = Field(
         10.0, gt=0,
         description="Sliding window of the TTFT/ITL percentiles, seconds (10: long enough for "
-        "a stable p90, short enough that an overload's slow samples leave the window within "
-        "~2 cooldowns; 20 made the simulator's controller over-cut, bench/autotune.py).",
+        "a stable p90, short enough that an overload's slow samples leave it within a few "
+        "ticks).",
     )
     autotune_headroom: float = Field(
         0.7, gt=0, le=1,
@@ -408,16 +408,13 @@ class Settings(BaseSettings):
     )
     autotune_decrease_factor: float = Field(
         0.85, gt=0, lt=1,
-        description="Multiplicative decrease on overload (0.85 beat 0.75 on the simulator's "
-        "phase trace: batch latency grows sub-linearly with the limit).",
+        description="Multiplicative decrease on overload (0.85: batch latency grows "
+        "sub-linearly with the limit, so a TCP-like halving over-cuts).",
     )
     autotune_increase_ratio: float = Field(
         0.25, gt=0, description="Additive increase as a fraction of the limit."
     )
     autotune_max_step: int = Field(16, ge=1, description="Most requests added per decision.")
-    autotune_cooldown_s: float = Field(
-        6.0, ge=0, description="Seconds without increase after a decrease."
-    )
     autotune_kv_high_ratio: float = Field(
         0.95, gt=0, le=1, description="KV-cache usage (0-1) treated as full: decrease."
     )

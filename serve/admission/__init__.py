@@ -3,9 +3,13 @@
 The autotuner is two pieces: the *controller* (the algorithm) and the *loop* (the periodic
 task that samples, asks the controller and applies its answer).
 
-- ``limiter``: the enforcement: a synchronous slot counter and the asyncio FIFO queue over it;
-- ``controller``: the pure algorithm (:class:`~serve.admission.controller.Signals` in, new
-  limit and a reason out);
+- ``slots``: the counting half of enforcement (the live limit, in-flight requests, the
+  completion rate), shared with the simulator;
+- ``burst``: admission past the limit of a burst at an idle engine, by its prompt tokens;
+- ``limiter``: the asyncio FIFO queue over the slots (queue bounds, SLO shedding);
+- ``controller``: the pure algorithm (:class:`~serve.admission.signals.Signals` in, new
+  limit and a reason out), the only writer of the limit; ``fits`` its arithmetic;
+  ``signals`` the data it reads and decides; ``rules`` the names of its switchable rules;
 - ``engine_stats``: the engine-side statistics a vLLM stat logger feeds (sliding windows);
 - ``loop``: :class:`~serve.admission.loop.AutotuneLoop`, tying them together (plus NVML);
 - ``goodput``: the SLO targets and the goodput rule;
@@ -15,7 +19,7 @@ task that samples, asks the controller and applies its answer).
   built from :class:`~serve.settings.Settings`.
 
 Our ``phi3v_*`` series are declared in ``serve/metrics.py``. The package imports nothing
-itself: ``controller``, ``limiter``, ``engine_stats``, ``goodput`` and ``capacity`` use only
-the standard library (a test checks it), so the algorithm and the simulator
+itself: every module but ``loop``, ``middleware`` and ``service`` uses only the standard
+library (a test checks it), so the algorithm and the simulator
 (``bench/sim.py``) load without torch, vLLM or Starlette.
 """

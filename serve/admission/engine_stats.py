@@ -3,19 +3,17 @@
 vLLM calls every stat logger's ``record(scheduler_stats, iteration_stats)`` after each engine
 step, in the API process (``vllm/v1/metrics/loggers.py``). :class:`EngineStatsFeed` keeps what
 the controller needs: the scheduler's running/waiting counts and KV-cache usage, preemptions,
-and TTFT/TPOT samples in a sliding window, and the finished requests' TPOT against the batch
-they decoded in (:class:`BatchTpotFit`). No HTTP scrape, no parsing.
+TTFT/TPOT samples in a sliding window, the recent requests' mean sizes and the prefill rate
+a burst showed. No HTTP scrape, no parsing.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -60,11 +58,6 @@ class SlidingWindow:
         while self._count > self.max_samples and len(self._batches) > 1:
             self._count -= len(self._batches.popleft()[1])
 
-    def clear(self) -> None:
-        """Drop every sample (the autotuner's cut: what follows must be measured afresh)."""
-        self._batches.clear()
-        self._count = 0
-
     def _prune(self) -> None:
         cutoff = self._clock() - self.window_s
         while self._batches and self._batches[0][0] < cutoff:
@@ -81,128 +74,6 @@ class SlidingWindow:
 
 
 #: Seconds of finished requests the batch/TPOT line is fitted over: several busy periods (the
-#: CPU suite's phases are 10-20 s), so that it sees more than one batch size, and short enough
-#: that a change of traffic (text to images) shows within a couple of minutes.
-BATCH_TPOT_HORIZON_S = 120.0
-#: Fewest finished requests a line needs.
-BATCH_TPOT_MIN_REQUESTS = 20
-#: Smallest variance of the requests' mean batch (requests^2) a line needs: requests that all
-#: ran beside the same batch say nothing about the slope.
-BATCH_TPOT_MIN_VARIANCE = 1.0
-#: Most spacing of the marks of the running-batch integral, seconds (a mark is also set
-#: where the batch changes: at most one a step); marks are kept for
-#: :data:`BATCH_MARKS_KEEP_S` (a request decoding for longer is averaged over what is kept;
-#: ~30k marks at 100 steps/s).
-BATCH_MARK_S = 0.1
-BATCH_MARKS_KEEP_S = 300.0
-
-
-class ItlLine(NamedTuple):
-    """The finished requests' TPOT against the mean batch they decoded in.
-
-    ``tpot(n) = intercept_s + slope_s x n`` seconds (``n`` in requests), and ``p90_ratio``:
-    the 90th percentile of each request's TPOT over the line's value at its own batch (how
-    far the slower requests lie above the line; >= 1)."""
-
-    intercept_s: float
-    slope_s: float
-    p90_ratio: float
-
-
-class BatchTpotFit:
-    """Each finished request's TPOT (its mean inter-token latency, what the goodput rule
-    judges it by) against the mean batch it decoded in, and the least-squares line through
-    them over the last :data:`BATCH_TPOT_HORIZON_S` seconds (:meth:`line`).
-
-    The mean batch comes from the integral of the running batch over time, advanced at every
-    engine step (:meth:`advance`): over the request's decode time (first to last token) it
-    is what the request's tokens were computed beside. On a compute-bound engine (this CPU,
-    at saturation) the throughput of tokens is fixed and each stream's TPOT grows with the
-    batch; on a memory-bound GPU the slope is small. The autotuner reads the line as the
-    largest batch whose requests keep the inter-token target
-    (:meth:`serve.admission.controller.Controller.itl_fit`).
-
-    Args:
-        horizon_s: age in seconds after which a finished request leaves the line.
-        clock: monotonic clock, seconds.
-    """
-
-    def __init__(self, horizon_s: float = BATCH_TPOT_HORIZON_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.horizon_s = horizon_s
-        self._clock = clock
-        self._area = 0.0  # integral of the running batch, request-seconds
-        self._last_step_s: float | None = None
-        self._batch = 0  # the batch of the last step
-        #: (time, integral): piecewise linear between marks.
-        self._marks: collections.deque[tuple[float, float]] = collections.deque()
-        #: (finish time, mean batch, TPOT seconds) of the finished requests.
-        self._points: collections.deque[tuple[float, float, float]] = collections.deque()
-
-    def advance(self, batch: int) -> None:
-        """An engine step ended now; ``batch`` requests ran in it (since the previous step).
-
-        The integral is marked where the batch changes, after a long step or an idle gap,
-        and every :data:`BATCH_MARK_S` seconds, so that the batch is constant between two
-        marks and the integral linear."""
-        now = self._clock()
-        last, marks = self._last_step_s, self._marks
-        if last is not None:
-            if (batch != self._batch or now - last > BATCH_MARK_S) and marks[-1][0] != last:
-                marks.append((last, self._area))
-            self._area += batch * (now - last)
-        self._batch, self._last_step_s = batch, now
-        if not marks or now - marks[-1][0] >= BATCH_MARK_S:
-            marks.append((now, self._area))
-            while now - marks[0][0] > BATCH_MARKS_KEEP_S:
-                marks.popleft()
-
-    def _area_at(self, t: float) -> float:
-        """The integral at time ``t``: between the marks, or between the last mark and the
-        last step (the integral now), linearly."""
-        marks = self._marks
-        i = bisect.bisect_left(marks, (t, -math.inf))
-        if i == 0:
-            return marks[0][1]
-        t0, a0 = marks[i - 1]
-        t1, a1 = marks[i] if i < len(marks) else (self._last_step_s, self._area)
-        return a0 + (a1 - a0) * (t - t0) / (t1 - t0) if t1 > t0 else a1
-
-    def add(self, decode_s: float, tpot_s: float) -> None:
-        """A request finished now after ``decode_s`` seconds from its first to its last token,
-        at ``tpot_s`` seconds per token."""
-        if decode_s <= 0 or not self._marks or self._last_step_s is None:
-            return
-        now = self._clock()
-        since = max(now - decode_s, self._marks[0][0])
-        if now - since <= 0:
-            return
-        batch = (self._area_at(now) - self._area_at(since)) / (now - since)
-        self._points.append((now, batch, tpot_s))
-        while now - self._points[0][0] > self.horizon_s:
-            self._points.popleft()
-
-    def line(self) -> ItlLine | None:
-        """The least-squares line and its spread (:class:`ItlLine`), or None with fewer than
-        :data:`BATCH_TPOT_MIN_REQUESTS` requests or mean batches whose variance is under
-        :data:`BATCH_TPOT_MIN_VARIANCE`."""
-        now = self._clock()
-        points = [(n, y) for t, n, y in self._points if now - t <= self.horizon_s]
-        if len(points) < BATCH_TPOT_MIN_REQUESTS:
-            return None
-        k = len(points)
-        mean_n = sum(n for n, _ in points) / k
-        mean_y = sum(y for _, y in points) / k
-        var_n = sum((n - mean_n) ** 2 for n, _ in points) / k
-        if var_n < BATCH_TPOT_MIN_VARIANCE:
-            return None
-        slope = sum((n - mean_n) * (y - mean_y) for n, y in points) / k / var_n
-        intercept = mean_y - slope * mean_n
-        ratios = [y / fit for n, y in points if (fit := intercept + slope * n) > 0]
-        spread = max(1.0, percentile(ratios, 90) or 1.0)
-        return ItlLine(intercept, slope, spread)
-
-
 def stalled_s(now: float, last_step_s: float | None, busy_since_s: float | None) -> float:
     """Seconds the engine has held requests without running a step: since the later of its
     last step and the moment work arrived (0 when it holds none)."""
@@ -253,8 +124,6 @@ class EngineStatsFeed:
     request_tokens: collections.deque = field(init=False)
     #: Prompt tokens of the last finished requests.
     prompt_tokens: collections.deque = field(init=False)
-    #: Finished requests' TPOT against their mean batch (:class:`BatchTpotFit`).
-    batch_tpot: BatchTpotFit = field(init=False)
     #: Called with the new rate each time a burst measures the prefill rate (the autotune
     #: loop sets the limiter's burst budget from it, within the burst that measured it).
     on_prefill_rate: Callable[[float], None] | None = None
@@ -268,16 +137,12 @@ class EngineStatsFeed:
     _burst_tokens: int = field(default=0, init=False)
     _burst_open: bool = field(default=False, init=False)
     _burst_count: int = field(default=0, init=False)
-    #: Clock time from which requests count in the latency windows, by their arrival at the
-    #: engine (:meth:`restart_latency_windows`; -inf: every request).
-    _measure_from: float = field(default=float("-inf"), init=False)
 
     def __post_init__(self) -> None:
         self.ttft = SlidingWindow(self.window_s, self.clock)
         self.tpot = SlidingWindow(self.window_s, self.clock)
         self.request_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
         self.prompt_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
-        self.batch_tpot = BatchTpotFit(clock=self.clock)
 
     @property
     def mean_request_tokens(self) -> float | None:
@@ -303,22 +168,6 @@ class EngineStatsFeed:
                 PREFILL_RATE_TTL_S:
             return None
         return self._prefill_rate
-
-    def restart_latency_windows(self) -> None:
-        """Empty the TTFT and TPOT windows, and from now on fill them only with requests
-        that reach the engine from now (the autotuner's cut: what follows must be measured
-        at the new limit).
-
-        A request's arrival at the engine is ``now - its TTFT`` (vLLM counts both from it)
-        and ``now - its e2e latency`` when it finishes. Requests admitted before the cut
-        that reach their first token or finish after it were admitted at the old limit: on
-        the CPU suite's T5 the image requests queued inside the engine at a limit of 21 gave
-        TTFTs of 3-5 s after a cut to 12, which cut again to 6 and to 3, and the long answers
-        that came next queued behind the limit.
-        """
-        self.ttft.clear()
-        self.tpot.clear()
-        self._measure_from = self.clock()
 
     def _burst_prefill(self, now: float, idle_before: bool, iteration_stats) -> None:
         """Measure the prefill throughput on a burst: requests that reach an idle engine
@@ -378,21 +227,13 @@ class EngineStatsFeed:
         if iteration_stats is not None:
             self._burst_prefill(now, idle_before, iteration_stats)
             self.preemptions_total += iteration_stats.num_preempted_reqs
-            since = now - self._measure_from  # the oldest age that counts, seconds
-            self.ttft.extend(t for t in iteration_stats.time_to_first_tokens_iter
-                             if t <= since)
-            finished = iteration_stats.finished_requests
-            if scheduler_stats is not None:
-                # The step's batch: what runs after it, plus what it finished.
-                self.batch_tpot.advance(scheduler_stats.num_running_reqs + len(finished))
+            self.ttft.extend(iteration_stats.time_to_first_tokens_iter)
             tpots = []
-            for done in finished:
+            for done in iteration_stats.finished_requests:
                 self.request_tokens.append(done.num_prompt_tokens + done.num_generation_tokens)
                 self.prompt_tokens.append(done.num_prompt_tokens)
                 if done.num_generation_tokens > 1:
-                    if done.e2e_latency <= since:
-                        tpots.append(done.mean_time_per_output_token)
-                    self.batch_tpot.add(done.decode_time, done.mean_time_per_output_token)
+                    tpots.append(done.mean_time_per_output_token)
             self.tpot.extend(tpots)  # one stamp per step (an empty batch adds nothing)
 
 

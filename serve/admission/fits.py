@@ -8,15 +8,12 @@ bound which move; nothing here keeps state.
 - :func:`kv_size_fit`: requests of the traffic's mean size that fill the KV cache to the
   threshold (bounds the idle limit);
 - :func:`ttft_fit`: prompts of the mean size prefilled within the TTFT target;
-- :func:`itl_fit`: the largest batch whose requests keep the inter-token target;
 - :func:`prefill_budget`: prompt tokens prefilled within the TTFT target.
 """
 
 from __future__ import annotations
 
 import math
-
-from serve.admission.engine_stats import ItlLine
 
 
 def kv_fit(running: int, kv_cache_usage: float, kv_high_ratio: float) -> int | None:
@@ -56,23 +53,3 @@ def ttft_fit(prefill_tokens_per_s: float | None, ttft_target_s: float,
     if not prefill_tokens_per_s or not mean_prompt_tokens:
         return None
     return math.floor(prefill_tokens_per_s * ttft_target_s / mean_prompt_tokens)
-
-
-def itl_fit(line: ItlLine | None, itl_target_s: float, min_seqs: int) -> int | None:
-    """The largest batch whose requests keep the inter-token target (requests), or None.
-
-    From the finished requests' line ``tpot(n) = intercept + slope x n`` and their spread
-    above it (:class:`~serve.admission.engine_stats.ItlLine`): the largest ``n`` with
-    ``tpot(n) x p90_ratio <= itl_target``, where nine requests in ten keep the target (the
-    controller cuts when the p90 of the requests' TPOT is over it). None without a line, with
-    a slope <= 0 (the batch does not slow the streams: a memory-bound engine) and where even
-    the intercept misses the target (the requests are slow whatever the batch: fewer would
-    not help). At least ``min_seqs``.
-    """
-    if line is None:
-        return None
-    room = itl_target_s / line.p90_ratio - line.intercept_s
-    if line.slope_s <= 0 or room <= 0:
-        return None
-    # 1e-9: a batch exactly at the bound is not lost to rounding.
-    return max(min_seqs, math.floor(room / line.slope_s + 1e-9))

@@ -108,7 +108,6 @@ class AutotuneLoop:
             # Requests waiting inside vLLM at the ceiling (the limiter's engine queue) are not
             # in the batch: the controller sees at most the ceiling in flight.
             in_flight=min(snap.in_flight, self.controller.config.ceiling),
-            engine_queued=max(0, snap.in_flight - self.controller.config.ceiling),
             engine_running=self.feed.running,
             engine_waiting=self.feed.waiting,
             kv_cache_usage=self.feed.kv_cache_usage,
@@ -119,7 +118,6 @@ class AutotuneLoop:
             mean_request_tokens=self.feed.mean_request_tokens,
             mean_prompt_tokens=self.feed.mean_prompt_tokens,
             prefill_tokens_per_s=self.feed.prefill_tokens_per_s,
-            itl_line=self.feed.batch_tpot.line(),
             gpu_utilization=self.gpu.read(),
         )
 
@@ -129,22 +127,10 @@ class AutotuneLoop:
         self.last_signals = signals
         self.metrics.set_gpu_utilization(signals.gpu_utilization)
         if self.mode == "auto":
-            if self.limiter.limit < self.controller.limit:
-                # A burst's budget held requests back and the limiter lowered a raise made
-                # during the burst to what it admitted (SlotCounter.admits): go on from there.
-                self.controller.adopt(self.limiter.limit)
             decision = self.controller.step(signals)
             self._set_burst_budget(signals.prefill_tokens_per_s)
             if decision.new_limit != self.limiter.limit:
                 self.limiter.set_limit(decision.new_limit)
-            if decision.is_cut and self.controller.config.on("window_restart"):
-                # The latency windows hold the samples that caused the cut: start them afresh
-                # with the requests admitted from now, so the next decision reads the new
-                # limit only (as Envoy's adaptive concurrency filter samples each interval
-                # anew). Kept, they cut again on the same stale p90 once the cooldown ended:
-                # 32 -> 16 -> 8 -> 4 in 7 s in the CPU suite's T2 with a 5-s window and a
-                # 3-s cooldown.
-                self.feed.restart_latency_windows()
             if decision.direction != "hold":
                 log.info("max_num_seqs %d -> %d (%s)", decision.old_limit, decision.new_limit,
                          decision.reason)
@@ -183,7 +169,6 @@ class AutotuneLoop:
             "capacity": self.limiter.capacity,
             "burst_budget": self.limiter.slots.burst_budget,
             "burst_cap": self.limiter.slots.burst_cap,
-            "itl_fit": None if s is None else self.controller.itl_fit(s),
             "engine_queue": self.limiter.engine_queue,
             "in_flight": self.limiter.in_flight,
             "pending": self.limiter.pending,

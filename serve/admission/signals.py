@@ -10,13 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from serve.admission.engine_stats import ItlLine
-
 Direction = Literal["up", "down", "hold"]
 
 #: ``reason`` label values of ``phi3v_autotuner_decisions_total``.
-REASONS = ("demand", "kv_fit", "itl_fit", "slo_ttft", "slo_itl", "preemption", "kv_cache",
-           "cooldown", "draining", "steady", "idle", "static", "bound", "burst")
+REASONS = ("demand", "kv_fit", "slo_ttft", "slo_itl", "preemption", "kv_cache", "steady",
+           "idle", "static", "bound")
 
 
 @dataclass(frozen=True)
@@ -44,11 +42,6 @@ class Signals:
             the first.
         prefill_tokens_per_s: prompt tokens/s the engine prefilled on the last burst
             (:class:`~serve.admission.engine_stats.EngineStatsFeed`), None before one.
-        engine_queued: requests admitted past the ceiling, waiting inside vLLM for a batch
-            slot (the limiter's engine queue; 0 below the ceiling).
-        itl_line: the finished requests' TPOT against the mean batch they decoded in,
-            ``intercept_s + slope_s x n`` seconds, and the spread of the slower ones above it
-            (:class:`~serve.admission.engine_stats.ItlLine`), None before a fit.
     """
 
     t: float
@@ -65,8 +58,6 @@ class Signals:
     mean_request_tokens: float | None = None
     mean_prompt_tokens: float | None = None
     prefill_tokens_per_s: float | None = None
-    engine_queued: int = 0
-    itl_line: ItlLine | None = None
 
 
 @dataclass(frozen=True)

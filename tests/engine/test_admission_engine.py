@@ -259,15 +259,13 @@ async def test_a_burst_at_an_idle_server_is_admitted_by_its_prefill_budget():
             codes = await burst(client, [payload(4000, 2) for _ in range(8)])
             assert codes == [200] * 8
             deadline = time.monotonic() + 30
-            while state()["decisions"][-1]["reason"] != "idle":  # the burst's grace is over
+            while state()["decisions"][-1]["reason"] != "idle":  # burst A is served
                 assert time.monotonic() < deadline, state()["decisions"][-3:]
                 await asyncio.sleep(0.25)
             s = state()
             budget, limit = s["burst_budget"], s["limit"]
             assert budget == int(s["last_signals"]["prefill_tokens_per_s"] * 0.25), s
             assert s["in_flight"] == 0 and limit < 8, s  # the TTFT fit of 4,000-token prompts
-            # Answers of different lengths: the batch drains 8 -> 1, and the steps draw their
-            # inter-token latency against batch sizes 1-8.
             small = [payload(40, 24 + 8 * i) for i in range(8)]
             assert 8 * 60 < budget, budget  # the budget fits all 8 short prompts
             # Past the limit means none of the 8 waited at the gateway: each one's queue wait
@@ -286,20 +284,5 @@ async def test_a_burst_at_an_idle_server_is_admitted_by_its_prefill_budget():
         # cost, which says nothing of the prefill throughput, and do not lower the budget.
         assert s_after["burst_budget"] >= budget, (s, s_after)
         assert (after[0] - before[0], after[1] - before[1]) == (8, 8), (before, after, s_after)
-        # The real engine's requests drew their TPOT against the batch they decoded in (burst
-        # A, B and a third of short answers of different lengths: 24 requests, batches 1-8):
-        # vLLM's decode_time and TPOT per finished request, the running batch of its steps.
-        # Here the slope is not positive (A's one gap per request spans the other 4,000-token
-        # prefills; the tiny model is not saturated at 8), so nothing is bounded.
-        async with httpx.AsyncClient(timeout=300) as client:
-            assert await burst(client, [payload(40, 8 + 4 * i) for i in range(8)]) == [200] * 8
-        deadline = time.monotonic() + 10  # a tick samples the line (later on a loaded machine)
-        while (s := state())["last_signals"]["itl_line"] is None \
-                and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-        assert s["last_signals"]["itl_line"] is not None, s["last_signals"]
-        intercept, slope, spread = s["last_signals"]["itl_line"]
-        assert spread >= 1.0 and intercept > 0, s["last_signals"]
-        assert slope > 0 or s["itl_fit"] is None, s
     finally:
         stop_server(srv)

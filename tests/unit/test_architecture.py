@@ -14,7 +14,7 @@ from tests.helpers import ROOT
 PURE_MODULES = (
     "serve.admission.controller", "serve.admission.limiter", "serve.admission.engine_stats",
     "serve.admission.goodput", "serve.admission.signals", "serve.admission.fits",
-    "serve.admission.rules",
+    "serve.admission.rules", "serve.admission.slots", "serve.admission.burst",
     "serve.admission.capacity", "serve.plan", "serve.intake.request", "serve.intake.responses",
     "serve.routes", "serve.errors",
 )

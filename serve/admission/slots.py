@@ -1,0 +1,344 @@
+"""The counting half of admission: the live limit, the requests in flight, busy time and the
+completion rate (:class:`SlotCounter`), and one admitted request's place (:class:`Slot`).
+
+Synchronous and clock-driven: the server's asyncio FIFO (:class:`serve.admission.limiter.
+AdmissionLimiter`) and the simulator's gate (``bench/sim.py``) both queue in front of it
+through its public interface only, so the benchmark the autotuner is judged by counts
+exactly as the server does. The limit has one writer, the autotuner's loop
+(:meth:`SlotCounter.set_limit`); a burst's admission past it is
+:mod:`serve.admission.burst`'s, which never writes it.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from serve.admission.burst import BurstAdmission
+from serve.admission.rules import check as check_rules
+
+
+class Slot:
+    """One admitted request's place in the engine. Release it exactly once."""
+
+    __slots__ = ("_counter", "_released", "admitted_at", "queue_wait_s")
+
+    def __init__(self, counter: "SlotCounter", admitted_at: float, queue_wait_s: float):
+        self._counter = counter
+        self._released = False
+        self.admitted_at = admitted_at
+        self.queue_wait_s = queue_wait_s
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self, completed: bool = True) -> bool:
+        """Give the slot back. ``completed`` feeds the completion-rate estimate.
+
+        Returns:
+            True the first time, False on any later call (idempotent).
+        """
+        if self._released:
+            return False
+        self._released = True
+        self._counter.release(completed)
+        return True
+
+
+@dataclass(frozen=True)
+class LimiterSnapshot:
+    """What the autotuner reads from the limiter each tick."""
+
+    limit: int
+    in_flight: int
+    pending: int
+    completion_rate: float | None
+    #: Requests that arrived so far (admitted, queued or refused), a running count.
+    arrivals: int = 0
+
+
+class SlotCounter:
+    """The counting half of admission, synchronous and clock-driven: the live limit, the
+    requests in flight, busy time and the completion-rate window. The queueing half is the
+    caller's: :class:`AdmissionLimiter` (an asyncio FIFO) in the server, the simulator's
+    deque in ``bench/sim.py``; both use only this public interface.
+
+    Args:
+        limit: initial number of requests allowed in the engine at once (>= 1).
+        rate_window_s: seconds of completions used to estimate the completion rate.
+        clock: monotonic clock in seconds (injectable for tests and the simulator).
+        ceiling: the engine's ``max_num_seqs`` (None: no engine queue, see ``engine_queue``).
+        engine_queue: requests admitted past the limit while the limit *is* the ceiling. The
+            engine runs at most ``ceiling`` sequences whatever we admit, so these wait inside
+            vLLM, already tokenized and preprocessed, and a finished sequence's batch slot is
+            refilled at the next engine step (as raw vLLM's own waiting queue does) instead of
+            after a request crossed the gateway. Below the ceiling the limit is exact.
+        engine_queue_wait_s: the longest expected wait for a batch slot (seconds) of a
+            request admitted into the engine queue (the TTFT target; None: no bound). Once
+            the completion rate is known, the engine queue holds at most ``rate x
+            engine_queue_wait_s`` requests (:attr:`capacity`): the rest wait at the gateway,
+            where SLO shedding sees them, instead of inside vLLM past their TTFT target (on
+            the CPU suite's T6, chat at 2x capacity, 32 engine-queued requests waited ~5 s
+            for a slot against a 2-s target).
+        on_free: called (no arguments) whenever room may have appeared: a slot released,
+            the limit raised or the burst budget changed (the queueing half admits its next
+            waiters then).
+        burst_window_s: seconds a burst's prefill budget applies after its last request
+            admitted on arrival, and in which its requests are not shed (:meth:`admits`,
+            :meth:`slo_wait_s`; :func:`burst_window_s`).
+
+    Raises:
+        ValueError: ``limit`` < 1.
+    """
+
+    def __init__(self, limit: int, rate_window_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 ceiling: int | None = None, engine_queue: int = 0,
+                 on_free: Callable[[], None] | None = None,
+                 engine_queue_wait_s: float | None = None,
+                 burst_window_s: float = 2.0, ablate: frozenset[str] = frozenset()) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        #: Rules switched off (:data:`serve.admission.rules.RULES`; the ablation benchmark).
+        self.ablate = check_rules(ablate)
+        #: Admission past the limit of a burst at an idle engine (:meth:`admits`).
+        self.bursts = BurstAdmission(burst_window_s, clock)
+        self.ceiling = ceiling
+        self.engine_queue = engine_queue
+        self.engine_queue_wait_s = engine_queue_wait_s
+        self.rate_window_s = rate_window_s
+        self.clock = clock
+        self.on_free = on_free
+        self._limit = limit
+        self._in_flight = 0
+        self._arrivals = 0
+        #: (time, busy seconds so far) of each completion in the window.
+        self._completions: collections.deque[tuple[float, float]] = collections.deque()
+        self._busy_total_s = 0.0
+        self._busy_since: float | None = None
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def capacity(self) -> int:
+        """Requests admitted at most now: the limit, plus at the ceiling the engine queue
+        (``engine_queue``, at most ``completion rate x engine_queue_wait_s`` of it once the
+        rate is known: the requests that get a batch slot within that wait)."""
+        if self.ceiling is None or self._limit < self.ceiling or not self.engine_queue:
+            return self._limit
+        queue = self.engine_queue
+        if self.engine_queue_wait_s is not None and "engine_queue_wait" not in self.ablate:
+            rate = self.completion_rate()
+            if rate is not None:
+                queue = min(queue, math.floor(rate * self.engine_queue_wait_s))
+        return self._limit + queue
+
+    def ahead(self) -> int:
+        """Admitted requests that still wait for a batch slot: those past the ceiling (in
+        the engine queue) or past a lowered limit (draining). A queued request waits for
+        these to be served before its own turn."""
+        batch = self._limit if self.ceiling is None else min(self._limit, self.ceiling)
+        return max(0, self._in_flight - batch)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet released."""
+        return self._in_flight
+
+    def has_room(self) -> bool:
+        """Whether one more request may be admitted now by count (the limit, or the
+        capacity at the ceiling)."""
+        return self._in_flight < self.capacity
+
+    def admits(self, tokens: int = 0) -> bool:
+        """Whether the next request in FIFO order, of ``tokens`` prompt tokens (image
+        tokens included; 0: unknown), may be admitted now.
+
+        By count (:meth:`has_room`), and during a **burst** that reached an idle counter
+        also past the limit, by its prompt tokens (:mod:`serve.admission.burst`): a request
+        the limit would queue is admitted when the burst's prompt tokens, its own included,
+        are at most :attr:`burst_budget`, with at most :attr:`burst_cap` in flight (the
+        ceiling at most). A request of unknown size (0) is admitted by count only. The budget
+        only ever adds to the limit the burst arrived at: what that limit admits at once is
+        never held back (an idle engine takes a burst up to its capacity at once, as plain
+        vLLM does). Once the budget held a request back, a raise of the limit during the
+        window admits nothing more of the burst: the rest of it can no longer meet its TTFT
+        target, and admitted behind the burst's prefill it would stall every stream the
+        burst started.
+        """
+        burst = self.bursts.current()
+        if burst is None or tokens <= 0 or self.bursts.budget is None:
+            return self.has_room()
+        if self.has_room() and (not burst.held or self._in_flight < burst.limit):
+            return True  # by count (once the budget held one back: the limit it arrived at)
+        if self.bursts.admits_past(burst, tokens, self._in_flight,
+                                   self.ceiling or self._limit):
+            return True
+        # The caller queues the request: the burst is full, its window no longer runs on
+        # (a state change: ask only for the request at the head of the queue).
+        burst.waited = True
+        return False
+
+    @property
+    def burst_budget(self) -> int | None:
+        """Prompt tokens a burst may bring to an idle engine past the limit (None: none)."""
+        return self.bursts.budget
+
+    @property
+    def burst_cap(self) -> int | None:
+        """Most requests in flight a burst may reach past the limit (None: the ceiling)."""
+        return self.bursts.cap
+
+    @property
+    def burst_admitted(self) -> tuple[int, int] | None:
+        """The open burst's prompt tokens and requests admitted so far (None: none open)."""
+        return self.bursts.admitted
+
+    def set_burst_budget(self, tokens: int | None, cap: int | None = None) -> None:
+        """Set the prompt tokens a burst may bring to an idle engine past the limit
+        (:meth:`admits`; None: none, admission by count only), and the most requests it may
+        put in flight so (None: the ceiling). A budget that changes during a burst (the
+        rate measured on the burst itself) applies to its requests still queued."""
+        self.bursts.budget = tokens
+        self.bursts.cap = cap
+        self._notify()
+
+    def set_limit(self, limit: int) -> None:
+        """Change the limit now. Raising it makes room at once; lowering it admits nothing
+        until in-flight requests drain below it (none is aborted).
+
+        Raises:
+            ValueError: ``limit`` < 1.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self._limit = limit
+        self._notify()
+
+    def take(self, arrived_at: float, tokens: int = 0, queued: bool = False) -> Slot:
+        """Admit one request of ``tokens`` prompt tokens that arrived at ``arrived_at``
+        (clock seconds); the caller checked :meth:`admits` (or the limit was lowered
+        meanwhile: the slot is counted anyway). ``queued``: it waited in the caller's queue.
+        A request that reaches an idle counter on arrival (not ``queued``) opens a burst; a
+        queued one that takes the slot the last release freed does not (at limit 1 each
+        completion leaves the counter empty for an instant, and a new burst there would
+        stop SLO shedding and let the queue in past the limit). A burst's requests are
+        counted even before a budget is known, for one measured on the burst itself."""
+        now = self.clock()
+        if self._in_flight == 0 and not queued:
+            self.bursts.open(self._limit)
+        self.bursts.count(tokens)
+        self._count(+1)
+        return Slot(self, now, now - arrived_at)
+
+    def release(self, completed: bool) -> None:
+        """A slot is given back (by :meth:`Slot.release`, or by a waiter that left after it
+        was granted one)."""
+        self._count(-1)
+        if completed:
+            self._completions.append((self.clock(), self.busy_s()))
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_free is not None:
+            self.on_free()
+
+    @property
+    def busy_since(self) -> float | None:
+        """Clock time since which requests have been in flight without a break (None: idle)."""
+        return self._busy_since
+
+    def busy_s(self) -> float:
+        """Seconds so far during which at least one request was in flight."""
+        if self._busy_since is None:
+            return self._busy_total_s
+        return self._busy_total_s + self.clock() - self._busy_since
+
+    def _count(self, delta: int) -> None:
+        """Change the in-flight count by ``delta``, keeping the busy-time account."""
+        before = self._in_flight
+        self._in_flight += delta
+        if before == 0 and self._in_flight > 0:
+            self._busy_since = self.clock()
+        elif before > 0 and self._in_flight == 0 and self._busy_since is not None:
+            self._busy_total_s += self.clock() - self._busy_since
+            self._busy_since = None
+
+    def completion_rate(self) -> float | None:
+        """The service rate: requests completed per second *of busy time* (at least one
+        request in flight), over the completions of the last ``rate_window_s`` seconds.
+
+        Idle time is left out, so a server that just woke up from idle does not look slow
+        (the rate of a busy server is what a queued request will see). Estimate: ``(n - 1)``
+        completions over the busy seconds between the first and the last of the ``n``.
+        None with fewer than two completions in the window.
+        """
+        now = self.clock()
+        while self._completions and self._completions[0][0] < now - self.rate_window_s:
+            self._completions.popleft()
+        if len(self._completions) < 2:
+            return None
+        busy = self._completions[-1][1] - self._completions[0][1]
+        return (len(self._completions) - 1) / max(busy, 1e-3)
+
+    def expected_wait_s(self, position: int) -> float | None:
+        """Expected seconds until a request ``position`` places from the head of the gateway
+        queue (0 = next) gets a batch slot in the engine: ``(ahead + position + 1) /
+        completion_rate`` (Little's law on the drain rate), where ``ahead`` (:meth:`ahead`)
+        counts the admitted requests still waiting for one. 0 when a slot is free for the
+        head; None when no rate is known yet."""
+        ahead = self.ahead()
+        if position == 0 and not ahead and self.has_room():
+            return 0.0
+        rate = self.completion_rate()
+        if rate is None:
+            return None
+        return (ahead + position + 1) / rate
+
+    def slo_wait_s(self, position: int, ttft_target_s: float | None) -> float | None:
+        """The expected wait (seconds, :meth:`expected_wait_s`) of a request that would
+        queue ``position`` places from the head, when it exceeds ``ttft_target_s`` and the
+        request is to be shed (reason ``slo``: it could not meet its TTFT target anyway);
+        None: queue it.
+
+        Never while a **burst** that reached an idle counter is open (:meth:`admits`;
+        at most :attr:`burst_window_s` after one of it had to wait): the
+        requests of a burst the limit or its prefill budget holds back wait for its first
+        wave, as plain vLLM's waiting queue would keep them, instead of being refused by a
+        drain rate measured on other traffic while the engine is busy with the burst itself
+        (on a loaded CI machine a burst of 8 short chats at an idle server lost 3 to
+        ``slo``, and ``make bench``'s W4 one of 96, while plain vLLM served all). Sustained
+        traffic, which keeps the counter busy, is shed as before.
+        """
+        if ttft_target_s is None or (self.bursts.current() is not None
+                                     and "burst_no_shed" not in self.ablate):
+            return None
+        wait = self.expected_wait_s(position)
+        return wait if wait is not None and wait > ttft_target_s else None
+
+    def arrived(self) -> None:
+        """Count a request arriving (whatever then becomes of it): the autotuner tells an
+        idle server from one that refuses everything."""
+        self._arrivals += 1
+
+    def snapshot(self, pending: int) -> LimiterSnapshot:
+        """What the autotuner reads each tick, with ``pending`` requests in the caller's
+        queue."""
+        return LimiterSnapshot(self._limit, self._in_flight, pending, self.completion_rate(),
+                               self._arrivals)
+
+    def retry_after_s(self, pending: int) -> int:
+        """Suggested ``Retry-After`` in whole seconds (1..60) behind ``pending`` queued
+        requests, from the drain rate."""
+        wait = self.expected_wait_s(pending)
+        if wait is None:
+            return 1
+        return int(min(60, max(1, math.ceil(wait))))
