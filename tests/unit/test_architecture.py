@@ -34,3 +34,11 @@ def test_pure_modules_import_only_the_standard_library():
     non_stdlib = {m for m in loaded - {"serve"} if m not in sys.stdlib_module_names
                   and not m.startswith("_")}
     assert not non_stdlib, sorted(non_stdlib)
+
+
+def test_admission_modules_stay_small():
+    """One concern per module: none of the admission package's modules passes ~400 lines
+    (the controller and the limiter were split into signals, fits, burst, slots)."""
+    sizes = {p.name: len(p.read_text().splitlines())
+             for p in (ROOT / "serve" / "admission").glob("*.py")}
+    assert max(sizes.values()) <= 400, sizes
