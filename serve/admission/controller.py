@@ -204,9 +204,9 @@ class Controller:
         """Why the engine is overloaded now (``preemption``, ``kv_cache``, ``slo_ttft``,
         ``slo_itl``), or None."""
         c = self.config
-        if s.preemptions > 0:
+        if s.preemptions > 0 and c.on("preemption_cut"):
             return "preemption"
-        if s.kv_cache_usage >= c.kv_high_ratio:
+        if s.kv_cache_usage >= c.kv_high_ratio and c.on("kv_cache_cut"):
             return "kv_cache"
         if s.ttft_p90_s is not None and s.ttft_p90_s > c.ttft_target_s:
             return "slo_ttft"

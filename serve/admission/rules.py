@@ -17,6 +17,9 @@ from __future__ import annotations
 
 #: Rule name -> what it does (one line, for the ablation table).
 RULES: dict[str, str] = {
+    "preemption_cut": "a preemption since the last tick cuts the limit",
+    "kv_cache_cut": "KV-cache usage at or over kv_high_ratio cuts the limit",
+    "slo_shed": "a request whose expected queue wait exceeds the TTFT target is refused at once",
     "kv_fit_probe": "a probe stops at the KV fit (running x kv_high / KV usage)",
     "idle_restore": "an idle engine takes the idle limit (fits of recent traffic)",
     "kv_idle_fit": "the idle limit is what the KV cache holds at the recent mean size",

@@ -318,8 +318,8 @@ class SlotCounter:
         ``slo``, and ``make bench``'s W4 one of 96, while plain vLLM served all). Sustained
         traffic, which keeps the counter busy, is shed as before.
         """
-        if ttft_target_s is None or (self.bursts.current() is not None
-                                     and "burst_no_shed" not in self.ablate):
+        if ttft_target_s is None or "slo_shed" in self.ablate or (
+                self.bursts.current() is not None and "burst_no_shed" not in self.ablate):
             return None
         wait = self.expected_wait_s(position)
         return wait if wait is not None and wait > ttft_target_s else None
