@@ -15,6 +15,8 @@ Routes owned here:
   KV-safe capacity computed at boot (``kv_capacity``).
 - ``GET /limits``: the request limits clients must respect (image bytes/pixels/count/formats).
 - ``GET /admin/routes``: every route of vLLM's app with its policy from ``serve.routes``.
+- ``POST /admin/bench/admission`` (only with ``--bench-admin``): set the admission mode
+  live and reset the autotuner (benchmarks).
 
 Every other path is looked up in the route table (``serve.routes``): generation routes take
 the full request path (body limit -> intake -> admission -> stream guard -> vLLM), read-only
@@ -126,6 +128,8 @@ class Gateway:
                 Route("/admin/autotuner", self.autotuner_state, methods=["GET"]),
                 Route("/limits", self.limits, methods=["GET"]),
                 Route("/admin/routes", self.route_table, methods=["GET"]),
+                *([Route("/admin/bench/admission", self.bench_admission, methods=["POST"])]
+                  if settings.bench_admin else []),
             ],
             lifespan=self._lifespan,
         )
@@ -268,6 +272,28 @@ class Gateway:
         ``kv_capacity``: the boot figure the autotuner starts from (KV-cache blocks and
         tokens from vLLM, tokens per request, KV-safe requests; null before the engine is up).
         (``capacity`` is the limiter's: limit + engine queue.)"""
+        return JSONResponse({**self.admission.loop.state(),
+                             "kv_capacity": self.admission.kv_capacity})
+
+    async def bench_admission(self, request: Request) -> Response:
+        """``--bench-admin`` only: ``{"mode": "auto" | "static" | "off", "limit": L}`` sets
+        the admission mode live and resets the autotuner to its boot state
+        (:meth:`serve.admission.loop.AutotuneLoop.set_mode`); answers the new
+        ``/admin/autotuner`` state, or 400 naming the field."""
+        try:
+            body = json.loads(await request.body() or b"null")
+        except ValueError:
+            return openai_error(400, "The body must be a JSON object.")
+        if not isinstance(body, dict):
+            return openai_error(400, "The body must be a JSON object.")
+        mode, limit = body.get("mode"), body.get("limit")
+        if mode not in ("auto", "static", "off"):
+            return openai_error(400, "'mode' must be one of auto, static, off.", param="mode")
+        if mode == "static" and (not isinstance(limit, int) or isinstance(limit, bool)
+                                 or limit < 1):
+            return openai_error(400, "'limit' must be an integer >= 1 with mode static.",
+                                param="limit")
+        self.admission.loop.set_mode(mode, limit)
         return JSONResponse({**self.admission.loop.state(),
                              "kv_capacity": self.admission.kv_capacity})
 

@@ -353,6 +353,12 @@ class Settings(BaseSettings):
     metrics_require_auth: bool = Field(
         False, description="Require an API key for /metrics too (/health, /ready stay open)."
     )
+    bench_admin: bool = Field(
+        False, description="Benchmarks only: POST /admin/bench/admission sets the admission "
+        "mode live (auto, static with a limit, or off: no gateway limit, as plain vLLM) and "
+        "resets the autotuner to its boot state. Behind the API keys when set; never in "
+        "production.",
+    )
 
     # --- Admission control and autotuner (serve/admission) --------------------------------
     autotune: Literal["auto", "static"] = Field(

@@ -144,6 +144,11 @@ class Controller:
         """Make ``limit`` (clamped) the starting and idle limit, and the limit now."""
         self.limit = self.start = self._clamp(limit)
 
+    def reset(self) -> None:
+        """Back to the boot state: the limit is ``start`` again, no decisions kept."""
+        self.limit = self.start
+        self.decisions.clear()
+
     def set_capacity(self, kv_tokens: int | None) -> None:
         """The engine's KV-cache capacity in tokens (vLLM's ``num_gpu_blocks x block_size``),
         for :meth:`idle_limit`."""

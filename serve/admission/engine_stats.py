@@ -144,6 +144,15 @@ class EngineStatsFeed:
         self.request_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
         self.prompt_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
 
+    def forget(self) -> None:
+        """Drop what the traffic taught (latency windows, recent sizes, the prefill rate): the
+        state of a freshly booted server (the benchmark's reset,
+        :meth:`serve.admission.loop.AutotuneLoop.set_mode`). Engine counts stay."""
+        self.__post_init__()
+        self._prefill_rate, self._prefill_rate_s = None, 0.0
+        self._burst_start_s, self._burst_tokens, self._burst_open = None, 0, False
+        self._burst_count = 0
+
     @property
     def mean_request_tokens(self) -> float | None:
         """Mean tokens (prompt + generated) of the last :data:`REQUEST_TOKENS_SAMPLES`

@@ -22,6 +22,10 @@ from serve.metrics import Metrics
 log = logging.getLogger("serve.autotuner")  # the feature's name in the logs, as before
 
 Mode = Literal["auto", "static"]
+#: The limit of the benchmark's mode ``off`` (:meth:`AutotuneLoop.set_mode`): no request
+#: ever waits at the gateway, so vLLM's own ``max_num_seqs`` and waiting queue are all there
+#: is, as with plain vLLM.
+OFF_LIMIT = 1_000_000
 
 
 class GpuUtilization:
@@ -72,6 +76,9 @@ class AutotuneLoop:
         self.limiter = limiter
         self.feed = feed
         self.mode = mode
+        #: What ``/admin/autotuner`` reports as the mode: ``mode``, or ``off``
+        #: (:meth:`set_mode`).
+        self.mode_label: str = mode
         self.interval_s = interval_s
         self.gpu = gpu if gpu is not None else GpuUtilization()
         self.metrics = metrics if metrics is not None else Metrics()
@@ -94,6 +101,33 @@ class AutotuneLoop:
         slots = self.limiter.slots
         if (budget, cap) != (slots.burst_budget, slots.burst_cap):
             self.limiter.set_burst_budget(budget, cap)
+
+    def set_mode(self, mode: Literal["auto", "static", "off"], limit: int | None = None) -> None:
+        """Benchmarks only (``--bench-admin``): switch the admission mode live and start from
+        the boot state, so that each arm of an episode meets the same server.
+
+        The controller goes back to its start (:meth:`Controller.reset`), the feed forgets
+        what the traffic taught (:meth:`EngineStatsFeed.forget`), the burst budget is
+        dropped. ``auto``: the autotuner moves the limit from its start; ``static``: the
+        limit is ``limit``; ``off``: :data:`OFF_LIMIT` (no gateway limit). Requests in flight
+        keep their slots.
+
+        Raises:
+            ValueError: an unknown mode, or ``static`` without a limit >= 1.
+        """
+        if mode not in ("auto", "static", "off"):
+            raise ValueError(f"unknown mode {mode!r}")
+        if mode == "static" and (limit is None or limit < 1):
+            raise ValueError("mode static needs a limit >= 1")
+        self.controller.reset()
+        self.feed.forget()
+        self.limiter.set_burst_budget(None, None)
+        self.last_signals = None
+        self.mode, self.mode_label = ("auto" if mode == "auto" else "static"), mode
+        self.feed.on_prefill_rate = self._set_burst_budget if mode == "auto" else None
+        self.limiter.set_limit(self.controller.limit if mode == "auto"
+                               else limit if mode == "static" else OFF_LIMIT)
+        self.metrics.auto_mode.set(1 if mode == "auto" else 0)
 
     def sample(self) -> Signals:
         """Read every signal now."""
@@ -163,7 +197,7 @@ class AutotuneLoop:
         """JSON for ``GET /admin/autotuner``."""
         s = self.last_signals
         return {
-            "mode": self.mode,
+            "mode": self.mode_label,
             "interval_s": self.interval_s,
             "limit": self.limiter.limit,
             "capacity": self.limiter.capacity,
