@@ -28,7 +28,7 @@ help:
 	@echo "make lint   - ruff (configured in pyproject.toml) over the whole tree"
 	@echo "make bench-layers - our layers' instructions per request and per token under cachegrind (~30 s); fails past +2 % of bench/layers-baseline.json"
 	@echo "make bench  - ours vs raw vLLM vs raw vLLM (A/A), interleaved blocks (~15 min); one verdict line"
-	@echo "make bench-autotune - the autotuner vs every fixed limit and plain vLLM on the simulator, seeds 0-9 (~6 min)"
+	@echo "make bench-autotune - the autotuner vs every fixed limit and plain vLLM: simulator, seeds 0-9, then the real engine (~18 min)"
 	@echo "make serve  - serve the real $(notdir $(REAL_MODEL)) from WEIGHTS=$(WEIGHTS)"
 
 install: $(STAMP)
@@ -108,9 +108,11 @@ bench-layers: install system-deps
 	$(PY) -m bench.layers_gate $(BENCH_ARGS)
 
 # Goodput of the max_num_seqs autotuner vs every static limit and no limit on the engine
-# simulator: six traces, two profiles, seeds 0-9, over two processes (bench/README.md).
-bench-autotune: install
-	$(PY) -m bench.simjudge --out bench/out $(BENCH_ARGS)
+# simulator (six traces, two profiles, seeds 0-9; ~6 min), then on the real tiny engine in
+# paired episodes (~12 min, alone on the machine); one line at the end (bench/README.md).
+bench-autotune: install model
+	$(PY) -m bench.simjudge --out bench/out
+	$(PY) -m bench.witness --out bench/out --sim bench/out/simjudge.json $(BENCH_ARGS)
 
 monitoring-check:
 	promtool check config monitoring/prometheus/prometheus.yml

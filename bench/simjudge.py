@@ -220,8 +220,8 @@ def autotune_line(verdicts: Sequence[TraceVerdict], seeds: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI (module docstring). Writes ``simjudge.json`` to ``--out``; 0 on pass, 1 on
-    fail."""
+    """The CLI (module docstring). Writes ``simjudge.json`` to ``--out``; 0 (the verdict is
+    in the last lines, as ``make bench``'s)."""
     p = argparse.ArgumentParser(prog="python -m bench.simjudge", description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--profiles", default=",".join(PROFILES))
@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     line = summary_line(verdicts, args.seeds)
     print(line)
     print(autotune_line(verdicts, args.seeds))
-    return 0 if line.endswith("pass") else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,278 @@
+"""The real engine as the autotuner's witness: paired episodes on one warm server.
+
+``python -m bench.witness [--seed 0] [--episodes T2/0,T6/0,...] [--arms auto,L8,L16,off,aa]
+[--sim bench/out/simjudge.json]`` (~12 min for all 10 episodes and 5 arms here)
+
+One ``python -m serve`` on the tiny model (``--bench-admin``, the CPU suite's SLO and time
+constants) stays up for the whole run. The CPU suite (:func:`bench.trace.cpu_suite`) is cut
+into short independent **episodes** (:func:`episodes`): each of T2's bursts, each of T5's
+phases, 10-s windows of T6 (chat at 2x capacity) and of T1 (60 %). Before each arm of an
+episode the switch (``POST /admin/bench/admission``) sets the arm's admission mode and resets
+the autotuner to its boot state, and the engine is drained (nothing in flight or queued).
+Arms: ``auto``, ``L8`` and ``L16`` (fixed limits), ``off`` (no gateway limit: what plain
+vLLM admits) and ``aa`` (L16 again: the A/A control). Every arm replays the same seeded
+arrivals and shapes (common random numbers); the words and the photo crops differ per arm
+(a salt in the bodies' seed), so no arm hits another's prefix or image cache. Episodes run
+in a random order, the arms in a fresh random permutation per episode.
+
+Goodput is DistServe's, counted client-side: good requests (TTFT, queue wait included, and
+mean ITL within the targets) per episode. The statistic is the paired log-ratio per episode
+(``log((auto + 0.5) / (L + 0.5))``: half a request keeps an episode where both got none),
+its mean and a 90 % percentile bootstrap over episodes (Efron & Tibshirani 1993; the
+episodes are the independent blocks, as in Kalibera & Jones 2013). Targets (issue 32): the
+A/A interval inside [0.85, 1.18] (else the run is ``unresolved``); auto against each fixed L
+lower bound >= 0.85; auto against off lower bound >= 1.2 on the overload episodes (T2's
+bursts, T6) and >= 0.95 on T1. Last line (one line, wrapped here)::
+
+    witness episodes=N aa=[lo,hi] auto/L8=[lo,hi] auto/L16=[lo,hi]
+        auto/off_overload=[lo,hi] auto/off_steady=[lo,hi]
+        result=pass|fail|inconclusive|unresolved
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from bench.stats import bootstrap_interval
+from bench.trace import CPU_CAPACITY, Capacity, Trace, cpu_suite
+
+#: Arm name -> ``/admin/bench/admission`` body.
+ARMS: dict[str, dict] = {
+    "auto": {"mode": "auto"},
+    "L8": {"mode": "static", "limit": 8},
+    "L16": {"mode": "static", "limit": 16},
+    "off": {"mode": "off"},
+    "aa": {"mode": "static", "limit": 16},
+}
+#: Episodes whose traffic overloads the engine (T2's bursts, T6), and the steady ones (T1).
+OVERLOAD_PREFIXES = ("T2/", "T6/")
+STEADY_PREFIXES = ("T1/",)
+#: The A/A band and the margins of the targets (ratios of goodput).
+AA_BAND = (0.85, 1.18)
+MIN_VS_FIXED = 0.85
+MIN_VS_OFF_OVERLOAD = 1.2
+MIN_VS_OFF_STEADY = 0.95
+#: Seconds of silence an episode starts with (the engine is idle and drained before).
+LEAD_S = 0.2
+
+
+def window(trace: Trace, t0: float, t1: float, name: str) -> Trace:
+    """The requests of ``trace`` arriving in ``[t0, t1)``, as a trace of their own that
+    starts :data:`LEAD_S` before the first of them (ids and arrival times renumbered)."""
+    reqs = [r for r in trace.requests if t0 <= r.arrival_s < t1]
+    if not reqs:
+        return Trace((replace(trace.phases[0], name=name, duration_s=t1 - t0),), (), trace.seed)
+    shift = reqs[0].arrival_s - LEAD_S
+    own = tuple(replace(r, id=i, arrival_s=r.arrival_s - shift, phase=name)
+                for i, r in enumerate(reqs))
+    return Trace((replace(trace.phases[0], name=name, duration_s=t1 - shift),), own,
+                 trace.seed)
+
+
+def episodes(seed: int = 0, capacity: Capacity = CPU_CAPACITY,
+             phase_s: float = 10.0) -> dict[str, Trace]:
+    """The CPU suite cut into independent episodes, ``{name: trace}``: ``T2/0..2`` (one burst
+    each), ``T5/0..2`` (its phases), ``T6/0..1`` and ``T1/0..1`` (10-s windows)."""
+    s = cpu_suite(seed, capacity, phase_s)
+    out: dict[str, Trace] = {}
+    t2 = s["T2"]
+    period = t2.duration_s / 3
+    for c in range(3):
+        out[f"T2/{c}"] = window(t2, c * period, (c + 1) * period, f"T2/{c}")
+    t = 0.0
+    for i, phase in enumerate(s["T5"].phases):
+        out[f"T5/{i}"] = window(s["T5"], t, t + phase.duration_s, f"T5/{i}")
+        t += phase.duration_s
+    for name in ("T6", "T1"):
+        half = s[name].duration_s / 2
+        for i in range(2):
+            out[f"{name}/{i}"] = window(s[name], i * half, (i + 1) * half, f"{name}/{i}")
+    return out
+
+
+def log_ratios(good: Mapping[str, Mapping[str, int]], arm: str, base: str,
+               names: Iterable[str] | None = None) -> list[float]:
+    """``log((good[e][arm] + 0.5) / (good[e][base] + 0.5))`` for each episode ``e`` (of
+    ``names`` when given) that ran both arms."""
+    keys = [e for e in (names if names is not None else good) if e in good]
+    return [math.log((good[e][arm] + 0.5) / (good[e][base] + 0.5)) for e in keys
+            if arm in good[e] and base in good[e]]
+
+
+def interval(values: Sequence[float], level: float = 0.90) -> tuple[float, float, float]:
+    """The geometric mean ratio and its bootstrap interval (``exp`` of the log scale);
+    ``nan`` everywhere with fewer than 2 episodes."""
+    if len(values) < 2:
+        return (math.nan, math.nan, math.nan)
+    mean, lo, hi = bootstrap_interval(values, level)
+    return math.exp(mean), math.exp(lo), math.exp(hi)
+
+
+def judge(good: Mapping[str, Mapping[str, int]]) -> tuple[dict[str, tuple], str]:
+    """The intervals of the last line and the result (module docstring)."""
+    over = [e for e in good if e.startswith(OVERLOAD_PREFIXES)]
+    steady = [e for e in good if e.startswith(STEADY_PREFIXES)]
+    iv = {
+        "aa": interval(log_ratios(good, "aa", "L16")),
+        "auto/L8": interval(log_ratios(good, "auto", "L8")),
+        "auto/L16": interval(log_ratios(good, "auto", "L16")),
+        "auto/off_overload": interval(log_ratios(good, "auto", "off", over)),
+        "auto/off_steady": interval(log_ratios(good, "auto", "off", steady)),
+    }
+    margins = {"auto/L8": MIN_VS_FIXED, "auto/L16": MIN_VS_FIXED,
+               "auto/off_overload": MIN_VS_OFF_OVERLOAD, "auto/off_steady": MIN_VS_OFF_STEADY}
+    aa = iv["aa"]
+    if not (aa[1] >= AA_BAND[0] and aa[2] <= AA_BAND[1]):
+        return iv, "unresolved"
+    verdicts = []
+    for name, margin in margins.items():
+        _, lo, hi = iv[name]
+        verdicts.append("inconclusive" if math.isnan(lo) else "pass" if lo >= margin
+                        else "fail" if hi < margin else "inconclusive")
+    result = "fail" if "fail" in verdicts else "inconclusive" if "inconclusive" in verdicts \
+        else "pass"
+    return iv, result
+
+
+def verdict_line(good: Mapping[str, Mapping[str, int]]) -> str:
+    """``witness episodes=N aa=[lo,hi] ... result=R``."""
+    iv, result = judge(good)
+    parts = " ".join(f"{k}=[{lo:.2f},{hi:.2f}]" for k, (_, lo, hi) in iv.items())
+    return f"witness episodes={len(good)} {parts} result={result}"
+
+
+def combined_line(sim: Mapping, good: Mapping[str, Mapping[str, int]]) -> str:
+    """The line of ``make bench-autotune`` (issue 32): the simulator's verdicts (``sim``:
+    ``bench/out/simjudge.json``), the calibration (``off``: the simulator's CPU profile is
+    not built, so the simulator is not yet checked against this engine) and the witness.
+
+    ``result``: ``fail`` when the simulator or the witness fails; else ``unresolved`` when
+    the witness's A/A control is out of its band or the calibration is off; else the
+    witness's (``inconclusive`` or ``pass``)."""
+    verdicts = sim["verdicts"]
+    seeds = max(v["seeds"] for v in verdicts)
+    worst_l = min(v["worst_l"][0] for v in verdicts)
+    worst_u = min(v["worst_unlimited"] for v in verdicts)
+    sim_ok = all(v["passed"] for v in verdicts)
+    iv, cpu = judge(good)
+    parts = " ".join(f"{k}=[{lo:.2f},{hi:.2f}]" for k, (_, lo, hi) in iv.items())
+    result = "fail" if not sim_ok or cpu == "fail" else "unresolved"
+    return (f"autotune sim seeds={seeds} worst auto/L={worst_l:.3f} "
+            f"auto/unlimited={worst_u:.3f} | calib=off | cpu {parts} result={result}")
+
+
+def _salted(trace: Trace, arm: str) -> Trace:
+    """The same requests with the arm's salt in the seed of their bodies' words and crops."""
+    return replace(trace, seed=f"{trace.seed}-{arm}")
+
+
+async def _drain(client, timeout_s: float = 120.0) -> None:
+    """Wait until nothing is in flight or queued at the gateway."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = (await client.get("/admin/autotuner")).json()
+        if state["in_flight"] == 0 and state["pending"] == 0:
+            return
+        await asyncio.sleep(0.25)
+    raise TimeoutError("the engine did not drain")
+
+
+def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
+        slo, drain_s: float = 30.0) -> dict[str, dict[str, int]]:
+    """Replay every episode on every arm against the server at ``base_url``; returns
+    ``{episode: {arm: good requests}}``. Prints one line per episode."""
+    import httpx
+
+    from bench.autotune import summarize
+    from bench.cpu_engine import build_bodies, replay_http
+
+    rng = random.Random(seed)
+    order = list(eps)
+    rng.shuffle(order)
+    model = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    good: dict[str, dict[str, int]] = {}
+    for name in order:
+        trace = eps[name]
+        perm = list(arms)
+        rng.shuffle(perm)
+        good[name] = {}
+        for arm in perm:
+            salted = _salted(trace, arm)
+            bodies = build_bodies(salted, model)
+            with httpx.Client(base_url=base_url, timeout=30) as c:
+                r = c.post("/admin/bench/admission", json=ARMS[arm])
+                r.raise_for_status()
+            replay = asyncio.run(replay_http(salted, base_url, bodies, drain_s=drain_s))
+            s = summarize(arm, replay.results, trace, slo)
+            good[name][arm] = s.good
+
+            async def drain() -> None:
+                async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
+                    await _drain(c)
+            asyncio.run(drain())
+        print(f"{name:6} {len(trace.requests):4} requests  " + "  ".join(
+            f"{a} {good[name][a]}" for a in arms), flush=True)
+    return good
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI (module docstring). Writes ``witness.json`` to ``--out``; 0 unless no episode
+    ran."""
+    from bench.autotune import CPU_AUTO_ARGS, CPU_SLO
+    from bench.process import ensure_tiny_model, start_serve, stop_process
+
+    p = argparse.ArgumentParser(prog="python -m bench.witness", description=__doc__.split("\n")[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--episodes", default="", help="comma-separated names (default: all)")
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--url", help="a server already running with --bench-admin")
+    p.add_argument("--sim", type=Path, help="bench.simjudge's JSON: end with make "
+                   "bench-autotune's combined line")
+    p.add_argument("--out", type=Path, default=Path("bench/out"))
+    args = p.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - ARMS.keys())
+    if unknown:
+        p.error(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
+    eps = episodes(args.seed)
+    if args.episodes:
+        wanted = [e for e in args.episodes.split(",") if e]
+        missing = sorted(set(wanted) - eps.keys())
+        if missing:
+            p.error(f"unknown episode(s) {', '.join(missing)}; known: {', '.join(eps)}")
+        eps = {e: eps[e] for e in wanted}
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    server = None
+    url = args.url
+    if url is None:
+        ensure_tiny_model()
+        server = start_serve(["--bench-admin", "--slo-ttft-s", f"{CPU_SLO.ttft_s:g}",
+                              "--slo-itl-s", f"{CPU_SLO.itl_s:g}", *CPU_AUTO_ARGS],
+                             args.out / "witness-server.log")
+        url = server.base_url
+    try:
+        good = run(url, eps, arms, args.seed, CPU_SLO)
+    finally:
+        if server is not None:
+            stop_process(server)
+    (args.out / "witness.json").write_text(json.dumps({"seed": args.seed, "good": good},
+                                                      indent=1))
+    print(f"({len(good)} episodes x {len(arms)} arms in {time.perf_counter() - t0:.0f} s)")
+    print(verdict_line(good))
+    if args.sim is not None:
+        print(combined_line(json.loads(args.sim.read_text()), good))
+    return 0 if good else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The real-engine witness's arithmetic: episodes cut from the CPU suite, the paired
+log-ratios over episodes, and the verdict with its A/A gate (the replay itself runs against
+a real server in ``python -m bench.witness``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import witness
+
+
+def test_episodes_are_the_suite_cut_into_independent_pieces():
+    eps = witness.episodes(0)
+    assert set(eps) == {"T2/0", "T2/1", "T2/2", "T5/0", "T5/1", "T5/2", "T6/0", "T6/1",
+                        "T1/0", "T1/1"}
+    for name, trace in eps.items():
+        assert trace.requests, name
+        first = trace.requests[0].arrival_s
+        assert first == pytest.approx(witness.LEAD_S), name  # starts from an idle engine
+        assert [r.id for r in trace.requests] == list(range(len(trace.requests)))
+        assert trace.requests[-1].arrival_s <= trace.duration_s + 1e-9
+    # T2's episodes are its bursts: 2 x max_num_seqs requests within about a second.
+    assert all(len(eps[f"T2/{c}"].requests) == 64 for c in range(3))
+    assert max(r.arrival_s for r in eps["T2/0"].requests) < 1.5
+    # Common random numbers: the same episode on another seed differs, on the same seed not.
+    assert witness.episodes(0)["T6/0"] == eps["T6/0"] != witness.episodes(1)["T6/0"]
+
+
+def test_each_arm_gets_its_own_salt_and_the_same_shapes():
+    trace = witness.episodes(0)["T1/0"]
+    a, b = witness._salted(trace, "auto"), witness._salted(trace, "aa")
+    assert a.requests == b.requests == trace.requests and a.seed != b.seed
+
+
+def good_table(n: int, auto: float, l8: float, l16: float, off: float, aa: float,
+               noise: float = 0.0) -> dict:
+    table = {}
+    for i in range(n):
+        wobble = 1 + (noise if i % 2 else -noise)
+        name = ("T2/" if i % 3 == 0 else "T6/" if i % 3 == 1 else "T1/") + str(i)
+        table[name] = {"auto": round(100 * auto * wobble), "L8": round(100 * l8),
+                       "L16": round(100 * l16), "off": round(100 * off),
+                       "aa": round(100 * aa * wobble)}
+    return table
+
+
+def test_the_verdict_passes_fails_and_is_unresolved_by_its_gate():
+    line = witness.verdict_line(good_table(9, auto=1.0, l8=0.95, l16=1.0, off=0.5, aa=1.0,
+                                           noise=0.02))
+    assert line.startswith("witness episodes=9 aa=[") and line.endswith("result=pass"), line
+    iv, _ = witness.judge(good_table(9, 1.0, 0.95, 1.0, 0.5, 1.0, noise=0.02))
+    assert iv["auto/L8"][1] > 1.0 and iv["auto/off_overload"][1] > 1.9
+    # Auto as good as plain vLLM under overload: inside no margin of 1.2, a fail.
+    assert witness.judge(good_table(9, 1.0, 1.0, 1.0, 1.0, 1.0, noise=0.02))[1] == "fail"
+    # Too few episodes to bound anything: inconclusive.
+    assert witness.judge(good_table(2, 1.0, 1.0, 1.0, 0.5, 1.0, noise=0.3))[1] \
+        in ("inconclusive", "unresolved")
+    iv, result = witness.judge(good_table(9, 0.5, 1.0, 1.0, 0.5, 1.0, noise=0.02))
+    assert result == "fail" and iv["auto/L16"][2] < 0.85
+    # The A/A control far apart: the run does not count, whatever auto did.
+    iv, result = witness.judge(good_table(9, 1.0, 0.5, 0.5, 0.5, 2.0))
+    assert result == "unresolved" and iv["aa"][1] > 1.18
+
+
+def test_a_ratio_keeps_episodes_where_both_arms_got_nothing():
+    assert witness.log_ratios({"T2/0": {"auto": 0, "off": 0}}, "auto", "off") == [0.0]
+    assert witness.log_ratios({"T2/0": {"auto": 1}}, "auto", "off") == []
+    assert all(math.isnan(x) for x in witness.interval([0.1]))
+
+
+def test_the_combined_line_fails_with_the_simulator_and_is_never_pass_uncalibrated():
+    sim = {"verdicts": [{"seeds": 10, "worst_l": [0.97, 8, 1], "worst_unlimited": 1.0,
+                         "passed": True},
+                        {"seeds": 10, "worst_l": [0.99, 16, 2], "worst_unlimited": 1.2,
+                         "passed": True}]}
+    good = good_table(9, 1.0, 0.95, 1.0, 0.5, 1.0, noise=0.02)  # the witness alone: pass
+    line = witness.combined_line(sim, good)
+    assert line.startswith("autotune sim seeds=10 worst auto/L=0.970 auto/unlimited=1.000 "
+                           "| calib=off | cpu aa=[")
+    assert line.endswith("result=unresolved")  # no calibrated profile: no pass
+    sim["verdicts"][1]["passed"] = False
+    assert witness.combined_line(sim, good).endswith("result=fail")
