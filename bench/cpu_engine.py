@@ -16,6 +16,7 @@ are encoded before the replay starts) and only reads the streams during the repl
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import json
 import os
@@ -53,17 +54,23 @@ def real_photos(images_dir: Path = IMAGES_DIR) -> list[Path]:
     return photos
 
 
-def photo_crops(rng: random.Random, photos: list, n: int) -> list[str]:
+def photo_crops(rng: random.Random, photos: list, n: int, salt: str = "") -> list[str]:
     """``n`` ``data:`` URLs of distinct seeded crops (60-100 % of each side) of ``photos``
-    (opened Pillow images), as JPEG."""
+    (opened Pillow images), as JPEG. A ``salt`` recolours the crop's top-left pixel (a colour
+    from the salt's hash): other bytes, another content hash for every cache, the same
+    geometry and so the same decode and resize work."""
     urls = []
+    mark = tuple(hashlib.sha256(salt.encode()).digest()[:3]) if salt else None
     for _ in range(n):
         photo = rng.choice(photos)
         w, h = photo.size
         cw, ch = int(w * rng.uniform(0.6, 1.0)), int(h * rng.uniform(0.6, 1.0))
         x, y = rng.randint(0, w - cw), rng.randint(0, h - ch)
+        crop = photo.crop((x, y, x + cw, y + ch)).convert("RGB")
+        if mark is not None:
+            crop.putpixel((0, 0), mark)
         buf = io.BytesIO()
-        photo.crop((x, y, x + cw, y + ch)).convert("RGB").save(buf, format="JPEG", quality=90)
+        crop.save(buf, format="JPEG", quality=90)
         urls.append("data:image/jpeg;base64," + b64encode(buf.getvalue()).decode())
     return urls
 
@@ -84,8 +91,14 @@ def chat_body(req: TraceRequest, model: str, image_urls: list[str], text: str) -
             "messages": [{"role": "user", "content": content}]}
 
 
-def build_bodies(trace: Trace, model: str, images_dir: Path = IMAGES_DIR) -> list[bytes]:
-    """The JSON body of every request of ``trace`` (deterministic in ``trace.seed``)."""
+def build_bodies(trace: Trace, model: str, images_dir: Path = IMAGES_DIR,
+                 salt: str = "") -> list[bytes]:
+    """The JSON body of every request of ``trace`` (deterministic in ``trace.seed``).
+
+    A ``salt`` (one arm of a paired comparison) makes every body's content its own while
+    keeping its work the same: the text starts with the salt word (its words and lengths
+    otherwise unchanged) and each photo crop carries the salt's pixel
+    (:func:`photo_crops`), so no arm hits another's prefix or image cache."""
     from PIL import Image
 
     rng = random.Random(f"cpu-bodies-{trace.seed}")
@@ -95,8 +108,10 @@ def build_bodies(trace: Trace, model: str, images_dir: Path = IMAGES_DIR) -> lis
             photos.append(im.convert("RGB"))
     bodies = []
     for req in trace.requests:
-        urls = photo_crops(rng, photos, req.images) if req.images else []
+        urls = photo_crops(rng, photos, req.images, salt) if req.images else []
         text = prompt_text(rng, max(1, req.prompt_tokens - req.image_tokens))
+        if salt:
+            text = f"{salt} {text}"
         bodies.append(json.dumps(chat_body(req, model, urls, text)).encode())
     return bodies
 

@@ -11,8 +11,9 @@ episode the switch (``POST /admin/bench/admission``) sets the arm's admission mo
 the autotuner to its boot state, and the engine is drained (nothing in flight or queued).
 Arms: ``auto``, ``L8`` and ``L16`` (fixed limits), ``off`` (no gateway limit: what plain
 vLLM admits) and ``aa`` (L16 again: the A/A control). Every arm replays the same seeded
-arrivals and shapes (common random numbers); the words and the photo crops differ per arm
-(a salt in the bodies' seed), so no arm hits another's prefix or image cache. Episodes run
+arrivals, shapes, words and photo crops (common random numbers); a salt word at the start of
+each text and a salt pixel in each crop make each arm's content its own, so no arm hits
+another's prefix or image cache while every arm does the same decode and prefill work. Episodes run
 in a random order, the arms in a fresh random permutation per episode.
 
 Goodput is DistServe's, counted client-side: good requests (TTFT, queue wait included, and
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import random
@@ -170,9 +172,10 @@ def combined_line(sim: Mapping, good: Mapping[str, Mapping[str, int]]) -> str:
             f"auto/unlimited={worst_u:.3f} | calib=off | cpu {parts} result={result}")
 
 
-def _salted(trace: Trace, arm: str) -> Trace:
-    """The same requests with the arm's salt in the seed of their bodies' words and crops."""
-    return replace(trace, seed=f"{trace.seed}-{arm}")
+def salt(arm: str, seed: int) -> str:
+    """The arm's salt word for :func:`bench.cpu_engine.build_bodies`: the same length for
+    every arm (the same tokens), its own content."""
+    return hashlib.sha256(f"{seed}-{arm}".encode()).hexdigest()[:8]
 
 
 async def _drain(client, timeout_s: float = 120.0) -> None:
@@ -206,12 +209,11 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
         rng.shuffle(perm)
         good[name] = {}
         for arm in perm:
-            salted = _salted(trace, arm)
-            bodies = build_bodies(salted, model)
+            bodies = build_bodies(trace, model, salt=salt(arm, seed))
             with httpx.Client(base_url=base_url, timeout=30) as c:
                 r = c.post("/admin/bench/admission", json=ARMS[arm])
                 r.raise_for_status()
-            replay = asyncio.run(replay_http(salted, base_url, bodies, drain_s=drain_s))
+            replay = asyncio.run(replay_http(trace, base_url, bodies, drain_s=drain_s))
             s = summarize(arm, replay.results, trace, slo)
             good[name][arm] = s.good
 

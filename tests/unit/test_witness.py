@@ -28,10 +28,30 @@ def test_episodes_are_the_suite_cut_into_independent_pieces():
     assert witness.episodes(0)["T6/0"] == eps["T6/0"] != witness.episodes(1)["T6/0"]
 
 
-def test_each_arm_gets_its_own_salt_and_the_same_shapes():
+def test_each_arm_gets_its_own_content_and_the_same_work():
+    """The salt changes what every cache keys on (the text's first word, a crop's corner
+    pixel) and nothing of the work: the same requests, words, crop sizes and token counts."""
+    import base64
+    import io
+    import json
+
+    from PIL import Image
+
+    from bench.cpu_engine import build_bodies
+
     trace = witness.episodes(0)["T1/0"]
-    a, b = witness._salted(trace, "auto"), witness._salted(trace, "aa")
-    assert a.requests == b.requests == trace.requests and a.seed != b.seed
+    trace = type(trace)(trace.phases, tuple(r for r in trace.requests if r.images)[:2],
+                        trace.seed)
+    a, b = (build_bodies(trace, "m", salt=witness.salt(arm, 0)) for arm in ("L16", "aa"))
+    assert len(witness.salt("L16", 0)) == len(witness.salt("aa", 0)) == 8
+    for x, y in zip(a, b, strict=True):
+        (img_a, text_a), (img_b, text_b) = (
+            [p["image_url"]["url"] if p["type"] == "image_url" else p["text"]
+             for p in json.loads(body)["messages"][0]["content"]] for body in (x, y))
+        assert text_a.split()[1:] == text_b.split()[1:] and text_a != text_b
+        pa, pb = (Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1])))
+                  for u in (img_a, img_b))
+        assert pa.size == pb.size and img_a != img_b
 
 
 def good_table(n: int, auto: float, l8: float, l16: float, off: float, aa: float,
