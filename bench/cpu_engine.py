@@ -16,6 +16,7 @@ are encoded before the replay starts) and only reads the streams during the repl
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import io
 import json
@@ -91,6 +92,19 @@ def chat_body(req: TraceRequest, model: str, image_urls: list[str], text: str) -
             "messages": [{"role": "user", "content": content}]}
 
 
+@functools.lru_cache(maxsize=2)
+def _opened_photos(images_dir: Path) -> tuple:
+    """The real photos of ``images_dir`` decoded to RGB once per process (a paired run builds
+    bodies for every arm of every episode from the same photos; only crops are taken)."""
+    from PIL import Image
+
+    photos = []
+    for path in real_photos(images_dir):
+        with Image.open(path) as im:
+            photos.append(im.convert("RGB"))
+    return tuple(photos)
+
+
 def build_bodies(trace: Trace, model: str, images_dir: Path = IMAGES_DIR,
                  salt: str = "") -> list[bytes]:
     """The JSON body of every request of ``trace`` (deterministic in ``trace.seed``).
@@ -99,13 +113,8 @@ def build_bodies(trace: Trace, model: str, images_dir: Path = IMAGES_DIR,
     keeping its work the same: the text starts with the salt word (its words and lengths
     otherwise unchanged) and each photo crop carries the salt's pixel
     (:func:`photo_crops`), so no arm hits another's prefix or image cache."""
-    from PIL import Image
-
     rng = random.Random(f"cpu-bodies-{trace.seed}")
-    photos = []
-    for path in real_photos(images_dir):
-        with Image.open(path) as im:
-            photos.append(im.convert("RGB"))
+    photos = _opened_photos(images_dir)
     bodies = []
     for req in trace.requests:
         urls = photo_crops(rng, photos, req.images, salt) if req.images else []

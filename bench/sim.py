@@ -225,14 +225,13 @@ class SchedulerStats:
 
 @dataclass(frozen=True)
 class FinishedRequestStats:
-    """The latency fields of vLLM's ``FinishedRequestStats`` (seconds, from engine arrival)."""
+    """The fields of vLLM's ``FinishedRequestStats`` that :class:`EngineStatsFeed` reads
+    (seconds)."""
 
-    e2e_latency: float
     num_prompt_tokens: int
     num_generation_tokens: int
     num_preemptions: int
     mean_time_per_output_token: float
-    decode_time: float
 
 
 @dataclass(frozen=True)
@@ -627,9 +626,8 @@ class Simulation:
         result.tokens = seq.generated
         seq.slot.release(completed=True)
         done.append(FinishedRequestStats(
-            self.now - result.admitted_s, seq.prompt, seq.generated, result.preemptions,
-            (self.now - result.first_token_s) / max(1, seq.generated - 1),
-            self.now - result.first_token_s))
+            seq.prompt, seq.generated, result.preemptions,
+            (self.now - result.first_token_s) / max(1, seq.generated - 1)))
 
     # --- event loop -----------------------------------------------------------------------
     def _events_until(self, t: float) -> None:

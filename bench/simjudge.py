@@ -208,15 +208,20 @@ def summary_line(verdicts: Sequence[TraceVerdict], seeds: int) -> str:
             f"auto/unlimited={worst_u:.3f} result={result}")
 
 
-def autotune_line(verdicts: Sequence[TraceVerdict], seeds: int) -> str:
-    """The benchmark's line of issue 32 with the simulator half filled in (module docstring)."""
+def sim_head(verdicts: Sequence[TraceVerdict], seeds: int) -> str:
+    """The simulator's part of the benchmark's line of issue 32:
+    ``autotune sim seeds=N worst auto/L=X auto/unlimited=Y`` (the witness completes it)."""
     worst_l = min(v.worst_l[0] for v in verdicts)
     worst_u = min(v.worst_unlimited for v in verdicts)
+    return f"autotune sim seeds={seeds} worst auto/L={worst_l:.3f} auto/unlimited={worst_u:.3f}"
+
+
+def autotune_line(verdicts: Sequence[TraceVerdict], seeds: int) -> str:
+    """The benchmark's line of issue 32 with the simulator half filled in (module docstring)."""
     result = "unresolved" if all(v.passed for v in verdicts) else "fail"
     cpu = " ".join(f"{k}=n/a" for k in ("aa", "auto/L8", "auto/L16", "auto/off_overload",
                                          "auto/off_steady"))
-    return (f"autotune sim seeds={seeds} worst auto/L={worst_l:.3f} "
-            f"auto/unlimited={worst_u:.3f} | calib=off | cpu {cpu} result={result}")
+    return f"{sim_head(verdicts, seeds)} | calib=off | cpu {cpu} result={result}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"({len(cells)} cells in {time.perf_counter() - t0:.0f} s)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "simjudge.json").write_text(json.dumps(
-        {"cells": [asdict(c) for c in cells], "verdicts": [asdict(v) for v in verdicts]},
+        {"head": sim_head(verdicts, args.seeds), "passed": all(v.passed for v in verdicts),
+         "cells": [asdict(c) for c in cells], "verdicts": [asdict(v) for v in verdicts]},
         indent=1))
     line = summary_line(verdicts, args.seeds)
     print(line)

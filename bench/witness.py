@@ -153,23 +153,18 @@ def verdict_line(good: Mapping[str, Mapping[str, int]]) -> str:
 
 
 def combined_line(sim: Mapping, good: Mapping[str, Mapping[str, int]]) -> str:
-    """The line of ``make bench-autotune`` (issue 32): the simulator's verdicts (``sim``:
-    ``bench/out/simjudge.json``), the calibration (``off``: the simulator's CPU profile is
-    not built, so the simulator is not yet checked against this engine) and the witness.
+    """The line of ``make bench-autotune`` (issue 32): the simulator's part and verdict
+    (``sim``: ``bench/out/simjudge.json``'s ``head`` and ``passed``), the calibration
+    (``off``: the simulator's CPU profile is not built, so the simulator is not yet checked
+    against this engine) and the witness.
 
     ``result``: ``fail`` when the simulator or the witness fails; else ``unresolved`` when
     the witness's A/A control is out of its band or the calibration is off; else the
     witness's (``inconclusive`` or ``pass``)."""
-    verdicts = sim["verdicts"]
-    seeds = max(v["seeds"] for v in verdicts)
-    worst_l = min(v["worst_l"][0] for v in verdicts)
-    worst_u = min(v["worst_unlimited"] for v in verdicts)
-    sim_ok = all(v["passed"] for v in verdicts)
     iv, cpu = judge(good)
     parts = " ".join(f"{k}=[{lo:.2f},{hi:.2f}]" for k, (_, lo, hi) in iv.items())
-    result = "fail" if not sim_ok or cpu == "fail" else "unresolved"
-    return (f"autotune sim seeds={seeds} worst auto/L={worst_l:.3f} "
-            f"auto/unlimited={worst_u:.3f} | calib=off | cpu {parts} result={result}")
+    result = "fail" if not sim["passed"] or cpu == "fail" else "unresolved"
+    return f"{sim['head']} | calib=off | cpu {parts} result={result}"
 
 
 def salt(arm: str, seed: int) -> str:

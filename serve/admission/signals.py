@@ -69,8 +69,3 @@ class Decision:
     new_limit: int
     direction: Direction
     reason: str
-
-    @property
-    def is_cut(self) -> bool:
-        """A decrease on an overload signal (not the restore of an idle limit)."""
-        return self.direction == "down" and self.reason != "idle"

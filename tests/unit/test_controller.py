@@ -47,7 +47,6 @@ def test_decrease_on_preemption_then_probe_again():
     c = Controller(CFG, limit=40)
     d = c.step(busy(0, 40, preemptions=3))
     assert (d.direction, d.reason, d.new_limit) == ("down", "preemption", 30)
-    assert d.is_cut
     d = c.step(busy(2, 30))
     assert (d.direction, d.reason) == ("up", "demand")
     # An overload that persists cuts on every tick, multiplicatively.

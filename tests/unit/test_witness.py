@@ -91,14 +91,15 @@ def test_a_ratio_keeps_episodes_where_both_arms_got_nothing():
 
 
 def test_the_combined_line_fails_with_the_simulator_and_is_never_pass_uncalibrated():
-    sim = {"verdicts": [{"seeds": 10, "worst_l": [0.97, 8, 1], "worst_unlimited": 1.0,
-                         "passed": True},
-                        {"seeds": 10, "worst_l": [0.99, 16, 2], "worst_unlimited": 1.2,
-                         "passed": True}]}
+    from bench.simjudge import TraceVerdict, sim_head
+
+    verdicts = [TraceVerdict("p", "T1", 10, (0.97, 8, 1), {8: 1.0}, 1.0, 1.0, 1.0, True),
+                TraceVerdict("p", "T2", 10, (0.99, 16, 2), {16: 1.0}, 1.0, 1.2, 1.0, True)]
+    sim = {"head": sim_head(verdicts, 10), "passed": True}
     good = good_table(9, 1.0, 0.95, 1.0, 0.5, 1.0, noise=0.02)  # the witness alone: pass
     line = witness.combined_line(sim, good)
     assert line.startswith("autotune sim seeds=10 worst auto/L=0.970 auto/unlimited=1.000 "
                            "| calib=off | cpu aa=[")
     assert line.endswith("result=unresolved")  # no calibrated profile: no pass
-    sim["verdicts"][1]["passed"] = False
+    sim["passed"] = False
     assert witness.combined_line(sim, good).endswith("result=fail")
