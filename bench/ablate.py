@@ -12,8 +12,8 @@ the largest over profiles and traces. A rule **earns its place** when that cost 
 rule stays only if removing it costs goodput on the deterministic simulator). A negative
 cost means the suite does better without the rule.
 
-Prints a Markdown table (rule, what it does, cost, where, seeds that lost >= 2 %) and ends
-with::
+A progress bar on stderr counts the (profile, seed) jobs done, with an ETA. Prints a Markdown
+table (rule, what it does, cost, where, seeds that lost >= 2 %) and ends with (stdout)::
 
     ablate seeds=N rules=R kept=K remove=a,b|none
 """
@@ -25,12 +25,11 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.sim import PROFILES
-from bench.simjudge import Cell, run_cells
+from bench.simjudge import Cell, run_cells, run_jobs
 from serve.admission.rules import RULES, check
 
 #: Smallest goodput loss (fraction) on some trace and profile for a rule to stay.
@@ -126,11 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [(pr, seed, rules) for pr in args.profiles.split(",") if pr
             for seed in range(args.seeds)]
     t0 = time.perf_counter()
-    if args.workers <= 1:
-        rows = [row for job in jobs for row in _job(job)]
-    else:
-        with ProcessPoolExecutor(args.workers) as pool:
-            rows = [row for part in pool.map(_job, jobs) for row in part]
+    parts = run_jobs(_job, jobs, args.workers, "ablate",
+                     lambda job: f"{job[0]} seed {job[1]}")
+    rows = [row for part in parts for row in part]
     found = costs(rows)
     print(table(found))
     print(f"({len(rows)} simulations of auto in {time.perf_counter() - t0:.0f} s)")

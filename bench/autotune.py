@@ -39,6 +39,9 @@ and writes ``cpu-results.json`` (every request's outcome) and the server logs to
 ``--cpu-engine URL`` (repeatable) replays the trace against servers already running instead
 (their own flags and SLO; one row per server, labelled by the mode and limit each reports on
 ``/admin/autotuner``).
+
+Progress goes to stderr (:mod:`bench.progress`): simulations, traces or servers done of the
+total, with an ETA; stdout keeps the tables and the final lines.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from bench.progress import bar as progress_bar
+from bench.progress import say
 from bench.sim import PROFILES, RequestResult, RunResult, Setup, simulate
 from bench.trace import (
     CPU_CAPACITY,
@@ -159,11 +164,17 @@ def format_table(rows: list[Summary]) -> str:
 
 
 # --- simulator backend --------------------------------------------------------------------
-def run_sim(trace: Trace, setup: Setup,
-            limits: tuple[int, ...] = STATIC_LIMITS) -> tuple[RunResult, list[RunResult]]:
-    """Simulate ``auto`` and every static limit on ``trace``: ``(auto, statics)``."""
-    auto = simulate(trace, "auto", None, setup)
-    return auto, [simulate(trace, "static", limit, setup) for limit in limits]
+def run_sim(trace: Trace, setup: Setup, limits: tuple[int, ...] = STATIC_LIMITS,
+            progress: bool = False) -> tuple[RunResult, list[RunResult]]:
+    """Simulate ``auto`` and every static limit on ``trace``: ``(auto, statics)``.
+    ``progress``: a bar on stderr of the simulations done."""
+    runs: list[RunResult] = []
+    with progress_bar(1 + len(limits), "simulator", "run", disable=not progress) as bar:
+        for mode, limit in [("auto", None), *(("static", L) for L in limits)]:
+            bar.set_postfix_str(mode if limit is None else f"L={limit}")
+            runs.append(simulate(trace, mode, limit, setup))
+            bar.update()
+    return runs[0], runs[1:]
 
 
 @dataclass
@@ -185,9 +196,10 @@ class SimReport:
         return self.rows[0].goodput_per_s / self.oracle_goodput_per_s
 
 
-def sim_report(trace: Trace, setup: Setup) -> SimReport:
-    """Run the simulator part on ``trace`` and compare ``auto`` with the statics."""
-    auto, statics = run_sim(trace, setup)
+def sim_report(trace: Trace, setup: Setup, progress: bool = False) -> SimReport:
+    """Run the simulator part on ``trace`` and compare ``auto`` with the statics
+    (``progress``: :func:`run_sim`'s bar)."""
+    auto, statics = run_sim(trace, setup, progress=progress)
     rows = [summarize(r.label, r.requests, trace, setup.slo, r.preemptions)
             for r in [auto, *statics]]
     oracle_goodput, oracle_limits = oracle(rows[1:], trace)
@@ -234,7 +246,7 @@ def sim_benchmark(out: Path, seed: int = 0) -> SimReport:
     """The simulator part: prints the table and the final line, writes the plot and JSON."""
     trace, setup = phase_trace(seed), gpu_setup()
     t0 = time.perf_counter()
-    report = sim_report(trace, setup)
+    report = sim_report(trace, setup, progress=True)
     elapsed = time.perf_counter() - t0
     c = setup.controller
     print(f"simulator: {len(trace.requests)} requests over {trace.duration_s:.0f} s (seed "
@@ -369,14 +381,29 @@ def suite_setup(profile: str) -> tuple[Setup, int]:
 
 
 def suite_report(profile: str, seed: int = 0, scale: float = 1.0,
-                 names: tuple[str, ...] = SUITE) -> SuiteReport:
-    """Run the trace suite on one simulator profile (:data:`bench.sim.PROFILES`)."""
+                 names: tuple[str, ...] = SUITE, bar=None) -> SuiteReport:
+    """Run the trace suite on one simulator profile (:data:`bench.sim.PROFILES`). ``bar``
+    (optional, :func:`bench.progress.bar`) counts the capacity measurement and each trace."""
+    def step(what: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(f"{profile} {what}")
+
+    def done() -> None:
+        if bar is not None:
+            bar.update()
+
     setup, num_crops = suite_setup(profile)
+    step("capacity")
     capacity = measure_capacity(setup, num_crops, seed)
+    done()
     limits = static_limits(setup.engine.max_num_seqs)
     traces = suite(capacity, seed, scale, names)
-    return SuiteReport(profile, capacity, [run_trace(n, t, setup, limits)
-                                           for n, t in traces.items()])
+    rows = []
+    for n, t in traces.items():
+        step(n)
+        rows.append(run_trace(n, t, setup, limits))
+        done()
+    return SuiteReport(profile, capacity, rows)
 
 
 def format_suite(report: SuiteReport) -> str:
@@ -401,24 +428,27 @@ def suite_benchmark(out: Path, seed: int = 0,
     """The simulator part: the suite on each profile; prints the tables and the final line,
     writes ``suite.json`` to ``out``."""
     reports = []
+    # Per profile: the capacity measurement, then each trace of the suite.
+    bar = progress_bar(len(profiles) * (1 + len(SUITE)), "simulator suite", "step")
     for profile in profiles:
         t0 = time.perf_counter()
-        report = suite_report(profile, seed)
+        report = suite_report(profile, seed, bar=bar)
         c = report.capacity
         setup, _ = suite_setup(profile)
         e = setup.engine
-        print(f"simulator, profile {profile}: {e.num_gpu_blocks} KV blocks "
+        say(f"simulator, profile {profile}: {e.num_gpu_blocks} KV blocks "
               f"({e.kv_capacity_tokens} tokens), max_num_seqs {e.max_num_seqs}, auto starts at "
               f"{setup.start_limit}; capacity (saturated) chat {c.chat_rps:.1f}/s, images "
               f"{c.vision_rps:.1f}/s, long answers {c.long_rps:.2f}/s; SLO TTFT "
               f"{setup.slo.ttft_s:g} s, ITL {setup.slo.itl_s:g} s; "
               f"{time.perf_counter() - t0:.0f} s")
-        print(format_suite(report))
+        say(format_suite(report))
         label, worst = report.single_best_static()
-        print(f"  single best fixed limit over the suite: {label} (worst trace at "
-              f"{worst:.2f} of that trace's best fixed L); auto's worst: "
-              f"{report.min_vs_best_static:.2f}")
+        say(f"  single best fixed limit over the suite: {label} (worst trace at "
+            f"{worst:.2f} of that trace's best fixed L); auto's worst: "
+            f"{report.min_vs_best_static:.2f}")
         reports.append(report)
+    bar.close()
     out.mkdir(parents=True, exist_ok=True)
     (out / "suite.json").write_text(json.dumps([{
         "profile": r.profile, "capacity": asdict(r.capacity),
@@ -520,16 +550,19 @@ class CpuReport:
 
 def run_settings(settings: list, trace: Trace, bodies: list[bytes], common: list[str],
                  log_dir: Path, drain_s: float, slo: SloTargets, quiet_wait_s: float,
-                 retries: int) -> tuple[list, list[dict]]:
+                 retries: int, desc: str = "cpu engine") -> tuple[list, list[dict]]:
     """Replay ``trace`` against a fresh server per setting, one after the other; a run during
     which other processes used more than :data:`NOISY_CORES` runs again, up to ``retries``
-    times (the quietest attempt counts). Returns the replays and, per setting, how it ran."""
+    times (the quietest attempt counts). Returns the replays and, per setting, how it ran.
+    A progress bar on stderr, ``desc``, counts the server runs (a run again adds one)."""
     from bench import cpu_engine as ce
 
     replays, extra = [], []
+    bar = progress_bar(len(settings), desc, "server")
     for setting in settings:
         attempts = []
         for attempt in range(1 + retries):
+            bar.set_postfix_str(setting.label + (f" (attempt {attempt + 1})" if attempt else ""))
             waited = ce.wait_quiet(quiet_wait_s) if quiet_wait_s > 0 else 0.0
             t0 = time.monotonic()
             replay, ready_s, foreign = ce.run_setting(setting, trace, bodies, common,
@@ -540,20 +573,24 @@ def run_settings(settings: list, trace: Trace, bodies: list[bytes], common: list
                 "quiet_wait_s": waited, "attempt": attempt + 1}))
             good = sum(r.good(slo) for r in replay.results)
             lims = [limit for _, limit in replay.limits]
-            print(f"  {setting.label:>5}: ready in {ready_s:.0f} s, replay "
-                  f"{replay.end_s:.0f} s (run {time.monotonic() - t0:.0f} s, waited "
-                  f"{waited:.0f} s for a quiet machine), good {good}/"
-                  f"{len(replay.results)}, limit {min(lims, default='?')}.."
-                  f"{max(lims, default='?')}, other processes "
-                  + ("?" if foreign is None else f"{foreign:.2f} cores")
-                  + (" NOISY: they shared the cores with this run"
-                     + (", running it again" if attempt < retries else "")
-                     if noisy else ""), flush=True)
+            say(f"  {setting.label:>5}: ready in {ready_s:.0f} s, replay "
+                f"{replay.end_s:.0f} s (run {time.monotonic() - t0:.0f} s, waited "
+                f"{waited:.0f} s for a quiet machine), good {good}/"
+                f"{len(replay.results)}, limit {min(lims, default='?')}.."
+                f"{max(lims, default='?')}, other processes "
+                + ("?" if foreign is None else f"{foreign:.2f} cores")
+                + (" NOISY: they shared the cores with this run"
+                   + (", running it again" if attempt < retries else "")
+                   if noisy else ""))
+            if noisy and attempt < retries:
+                bar.total += 1
+            bar.update()
             if not noisy:
                 break
         _, _, replay, info = min(attempts, key=lambda a: a[:2])  # the quietest attempt
         replays.append(replay)
         extra.append(info)
+    bar.close()
     return replays, extra
 
 
@@ -591,11 +628,14 @@ def cpu_engine_benchmark(out: Path, seed: int = 0, urls: list[str] | None = None
           f"{ce.IMAGES_DIR}); drain {drain_s:.0f} s", flush=True)
     replays, extra = [], []
     if urls:
-        for url in urls:
-            print(f"  replaying against {url} ...", flush=True)
-            replay = asyncio.run(ce.replay_http(trace, url, drain_s=drain_s))
-            replays.append(replay)
-            extra.append({"url": url})
+        with progress_bar(len(urls), "cpu engine", "server") as bar:
+            for url in urls:
+                say(f"  replaying against {url} ...")
+                bar.set_postfix_str(url)
+                replay = asyncio.run(ce.replay_http(trace, url, drain_s=drain_s))
+                replays.append(replay)
+                extra.append({"url": url})
+                bar.update()
     else:
         process.ensure_tiny_model()
         bodies = ce.build_bodies(trace, process.TINY_MODEL.name)
@@ -754,11 +794,11 @@ def cpu_capacity_benchmark(out: Path, seed: int = 0) -> Capacity:
         bodies = ce.build_bodies(trace, process.TINY_MODEL.name)
         # A run that shared the cores with other work runs once more (the quietest counts).
         (replay,), _ = run_settings([setting], trace, bodies, common, out / "cpu-capacity",
-                                    600, SloTargets(3600, 3600), quiet_wait_s=0, retries=1)
+                                    600, SloTargets(3600, 3600), quiet_wait_s=0, retries=1,
+                                    desc=f"capacity {len(found) + 1}/{len(phases)} {key}")
         done = [r.finish_s for r in replay.results if r.finish_s is not None]
         found[key] = len(done) / max(done)
-        print(f"  {key}: {len(done)}/{n} finished in {max(done):.1f} s = {found[key]:.2f}/s",
-              flush=True)
+        say(f"  {key}: {len(done)}/{n} finished in {max(done):.1f} s = {found[key]:.2f}/s")
     return replace(base, **found)
 
 

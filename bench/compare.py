@@ -45,7 +45,8 @@ thread per API process), and ``--photo-throughput C`` a cell ``photos`` (:data:`
 Output: the ledger (``bench/results/ledger.jsonl``, committed history), the verdict table
 (``bench/results/bench.md``), ``OUT/bench.json`` and the server logs (``OUT/logs``, not
 committed), and as last line :func:`bench.verdict.verdict_line`'s ``verdict valid=...
-result=...`` over every run of this commit in the ledger.
+result=...`` over every run of this commit in the ledger. Progress goes to stderr
+(:mod:`bench.progress`): the block running, segments done of the total and an ETA.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ from bench.process import (
     start_serve,
     stop_process,
 )
+from bench.progress import bar as progress_bar
+from bench.progress import say
 from serve.admission.engine_stats import percentile
 
 ARMS = ("ours", "raw", "raw2")
@@ -427,9 +430,10 @@ class Run:
 
 
 def run_row(run: Run, arms: dict[str, ManagedServer], half: int, block: int, cell: str,
-            order: tuple[str, ...], inputs: Inputs, rerun: int = 0) -> bool:
+            order: tuple[str, ...], inputs: Inputs, rerun: int = 0, bar=None) -> bool:
     """Every arm's segment of one (block, cell), in ``order``, back to back, each appended to
-    the ledger. Returns True when a segment was flagged (the row is to run again)."""
+    the ledger. Returns True when a segment was flagged (the row is to run again). ``bar``
+    (:func:`bench.progress.bar`, optional) counts the segments."""
     spec = GATED.get(cell, cell)
     seed = cell_seed(run.seed, block, cell)
     photos = [inputs.photo(s) for s in (
@@ -437,6 +441,8 @@ def run_row(run: Run, arms: dict[str, ManagedServer], half: int, block: int, cel
         else photo_seeds(run.seed, block))]
     flagged = False
     for position, arm in enumerate(order):
+        if bar is not None:
+            bar.set_postfix_str(f"{cell} {arm}" + (f" (again, {rerun})" if rerun else ""))
         with Meter(arms, arm) as meter:
             metrics = run_cell(arms[arm].base_url, cell, spec, seed, photos, inputs)
         n = max(metrics.get("completed", 0), 1)
@@ -447,6 +453,8 @@ def run_row(run: Run, arms: dict[str, ManagedServer], half: int, block: int, cel
                    machine={"steal": round(meter.steal, 4),
                             "foreign_cpu": round(meter.foreign, 4)})
         flagged |= meter.flagged
+        if bar is not None:
+            bar.update()
     return flagged
 
 
@@ -469,30 +477,39 @@ def block_plan(seed: int, blocks: range, arms: tuple[str, ...] = ARMS,
 
 
 def run_blocks(run: Run, arms: dict[str, ManagedServer], half: int, blocks: range,
-               inputs: Inputs, pending: list) -> None:
+               inputs: Inputs, pending: list, bar=None, total_blocks: int | None = None) -> None:
     """Run ``blocks``; a flagged (block, cell) row is appended to ``pending`` as
-    ``(block, cell, order, reruns so far)``."""
+    ``(block, cell, order, reruns so far)``. ``bar`` (optional) counts the segments and names
+    the block, ``block B/total_blocks``."""
     for block, cells in block_plan(run.seed, blocks, run.arms, run.cells):
+        if bar is not None:
+            bar.set_description(f"block {block + 1}/{total_blocks or blocks.stop} "
+                                f"(half {half})")
+            bar.set_postfix_str("photos")
         inputs.prepare(photo_seeds(run.seed, block) + (photos_cell_seeds(
             run.seed, block, run.photo_throughput) if run.photo_throughput else []))
         t0 = time.monotonic()
         for cell, order in cells:
-            if run_row(run, arms, half, block, cell, order, inputs):
+            if run_row(run, arms, half, block, cell, order, inputs, bar=bar):
                 pending.append((block, cell, order, 0))
-        print(f"block {block} (half {half}): {time.monotonic() - t0:.0f} s", flush=True)
+        say(f"block {block} (half {half}): {time.monotonic() - t0:.0f} s")
 
 
 def rerun_flagged(run: Run, arms: dict[str, ManagedServer], half: int, pending: list,
-                  inputs: Inputs) -> int:
+                  inputs: Inputs, bar=None) -> int:
     """Run the flagged rows again (each at most :data:`MAX_RERUNS` times). Returns how many
-    rows ran again."""
+    rows ran again. ``bar`` (optional) grows by each row's segments and counts them."""
     count = 0
     while pending:
         block, cell, order, done = pending.pop(0)
         if done >= MAX_RERUNS:
             continue
         count += 1
-        if run_row(run, arms, half, block, cell, order, inputs, rerun=done + 1):
+        if bar is not None:
+            bar.set_description(f"running flagged rows again (half {half})")
+            bar.total += len(order)
+            bar.refresh()
+        if run_row(run, arms, half, block, cell, order, inputs, rerun=done + 1, bar=bar):
             pending.append((block, cell, order, done + 1))
     return count
 
@@ -509,22 +526,41 @@ def warm_up(arms: dict[str, ManagedServer], inputs: Inputs, seed: int) -> None:
         asyncio.run(w.photo_ttft(server.base_url, inputs.model, [photo]))
 
 
-def report_half(arms: dict[str, ManagedServer], inputs: Inputs, seed: int, full: bool) -> dict:
-    """The reported cells (not gated) for ours and raw: W1 cells and W5."""
+def report_segments(full: bool) -> int:
+    """Segments :func:`report_half` runs: each reported cell and W5, for ours and raw."""
+    return 2 * (len(REPORTED) + (len(REPORTED_FULL) if full else 0) + 1)
+
+
+def report_half(arms: dict[str, ManagedServer], inputs: Inputs, seed: int, full: bool,
+                bar=None) -> dict:
+    """The reported cells (not gated) for ours and raw: W1 cells and W5. ``bar`` (optional)
+    counts the segments (:func:`report_segments`)."""
     out: dict = {}
     cells = {**REPORTED, **(REPORTED_FULL if full else {})}
+
+    def step(cell: str, arm: str) -> None:
+        if bar is not None:
+            bar.set_description("reported cells")
+            bar.set_postfix_str(f"{cell} {arm}")
+
     for cell, spec in cells.items():
         for arm in ("ours", "raw"):
+            step(cell, arm)
             out.setdefault(cell, {})[arm] = run_w1(arms[arm].base_url, spec,
                                                    cell_seed(seed, 10_000, cell), inputs)
+            if bar is not None:
+                bar.update()
     photos = w.photo_urls(inputs.sources, 3, cell_seed(seed, 10_000, "w5"))
     for arm in ("ours", "raw"):
+        step("w5", arm)
         texts, shots = asyncio.run(w.itl_under_photos(arms[arm].base_url, inputs.model, photos))
         itls = [i for r in texts for i in r.itls_s]
         out.setdefault("w5", {})[arm] = {
             "itl_p99_ms": percentile(itls, 99) * 1000 if itls else None,
             "itl_max_ms": max(itls) * 1000 if itls else None,
             "failed": sum(not r.ok for r in [*texts, *shots])}
+        if bar is not None:
+            bar.update()
     return out
 
 
@@ -595,22 +631,31 @@ def main(argv: list[str] | None = None) -> int:
     first = (args.blocks + 1) // 2
     halves = [range(0, first), range(first, args.blocks)]
     arms: dict[str, ManagedServer] = {}
-    with open(args.out / "logs-vllm-bench.txt", "w") as log:
+    # Segments: every arm of every cell of every block, and each half's reported cells; the
+    # total grows when flagged rows run again and when the run adds blocks.
+    per_block = len(run.cells) * len(run.arms)
+    bar = progress_bar(args.blocks * per_block + len(halves) * report_segments(args.full),
+                       "bench", "segment")
+    total_blocks = args.blocks
+    with open(args.out / "logs-vllm-bench.txt", "w") as log, bar:
         try:
             for half, blocks in enumerate(halves):
                 stop_arms(arms)
                 t0 = time.monotonic()
+                bar.set_description(f"half {half}: starting {len(run.arms)} servers")
+                bar.set_postfix_str(", ".join(run.arms))
                 arms = start_arms(args.out, model, run.arms)
                 rss.watch(arms)
                 name = w.served_model(arms["ours"].base_url)
                 inputs = Inputs(name, model, real_photos(IMAGES_DIR), engine_ceiling(), log, {})
+                bar.set_description(f"half {half}: warm-up")
                 warm_up(arms, inputs, args.seed + half)
-                print(f"half {half}: arms up and warm in {time.monotonic() - t0:.0f} s",
-                      flush=True)
+                say(f"half {half}: arms up and warm in {time.monotonic() - t0:.0f} s")
                 pending: list = []
-                run_blocks(run, arms, half, blocks, inputs, pending)
-                reruns += rerun_flagged(run, arms, half, pending, inputs)
-                reported[f"half{half}"] = report_half(arms, inputs, args.seed + half, args.full)
+                run_blocks(run, arms, half, blocks, inputs, pending, bar, total_blocks)
+                reruns += rerun_flagged(run, arms, half, pending, inputs, bar)
+                reported[f"half{half}"] = report_half(arms, inputs, args.seed + half, args.full,
+                                                      bar)
             next_block, extensions = args.blocks, 0
             while not args.no_extend and extensions < MAX_EXTENSIONS:
                 # This run's blocks so far, with its peaks so far (its run record comes last).
@@ -622,12 +667,17 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 extensions += 1
                 blocks = range(next_block, next_block + EXTENSION_BLOCKS)
-                print(f"inconclusive: {EXTENSION_BLOCKS} more blocks ({extensions} of "
-                      f"{MAX_EXTENSIONS})", flush=True)
+                say(f"inconclusive: {EXTENSION_BLOCKS} more blocks ({extensions} of "
+                    f"{MAX_EXTENSIONS})")
+                total_blocks = blocks.stop
+                bar.total += EXTENSION_BLOCKS * per_block
+                bar.refresh()
                 pending = []
-                run_blocks(run, arms, 1, blocks, inputs, pending)
-                reruns += rerun_flagged(run, arms, 1, pending, inputs)
+                run_blocks(run, arms, 1, blocks, inputs, pending, bar, total_blocks)
+                reruns += rerun_flagged(run, arms, 1, pending, inputs, bar)
                 next_block = blocks.stop
+            bar.set_description("stopping the servers")
+            bar.set_postfix_str("")
         finally:
             stop_arms(arms)
             rss.stop()

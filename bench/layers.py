@@ -8,10 +8,10 @@ vLLM's chat app: one SSE chunk per token (the compact JSON vLLM writes, ~300 byt
 role chunk first, the finish chunk and ``data: [DONE]`` last. The same peer alone is the
 baseline, timed in the same run, alternating. No engine, no socket: what is left is the
 Python our layers run on the event loop per request and per token, which on a 2-core CPU
-server shares the loop that streams every answer (``README.md``, "Read the ratios against
-this machine's noise").
+server shares the loop that streams every answer (``bench/README.md`` explains
+reading its numbers against this machine's noise).
 
-Prints one line per round and ends with::
+Prints one line per round (a progress bar of the rounds on stderr) and ends with::
 
     layers us_per_request=X us_per_token=Y (tokens=N, over a bare peer of Z us)
 
@@ -138,21 +138,31 @@ async def per_request_us(app, tokens: int, requests: int) -> float:
 async def measure(tokens: int, requests: int, repeats: int) -> dict:
     """Medians over ``repeats`` alternating rounds: the bare peer's and the gateway's
     microseconds per request at ``tokens`` and at 1 token. Keys: ``peer_us``, ``ours_us``,
-    ``peer_1_us``, ``ours_1_us``."""
+    ``peer_1_us``, ``ours_1_us``. A progress bar of the rounds on stderr, drawn between the
+    timed loops."""
+    # Here, not at the top: the counted process (--marks) must not load tqdm (its module list
+    # is part of bench.layers_gate's environment).
+    from bench.progress import bar as progress_bar
+    from bench.progress import say
+
     runs: dict[str, list[float]] = {"peer_us": [], "ours_us": [], "peer_1_us": [],
                                     "ours_1_us": []}
     apps = {n: scripted_chat(n) for n in (tokens, 1)}
     gateways = {n: gateway(app) for n, app in apps.items()}
-    for n in (tokens, 1):  # warm-up: first requests build caches, import lazily
-        await check_stream(gateways[n], n)
-        await per_request_us(gateways[n], n, 20)
-    for k in range(repeats):
-        for n, suffix in ((tokens, ""), (1, "_1")):
-            order = (("peer", apps[n]), ("ours", gateways[n]))
-            for name, app in (order if k % 2 == 0 else order[::-1]):
-                runs[f"{name}{suffix}_us"].append(await per_request_us(app, n, requests))
-        print(f"round {k + 1}: peer {runs['peer_us'][-1]:.1f} us, ours {runs['ours_us'][-1]:.1f}"
-              f" us per {tokens}-token request", flush=True)
+    with progress_bar(repeats, "layers rounds", "round") as bar:
+        bar.set_postfix_str("warm-up")
+        for n in (tokens, 1):  # warm-up: first requests build caches, import lazily
+            await check_stream(gateways[n], n)
+            await per_request_us(gateways[n], n, 20)
+        for k in range(repeats):
+            bar.set_postfix_str(f"round {k + 1}")
+            for n, suffix in ((tokens, ""), (1, "_1")):
+                order = (("peer", apps[n]), ("ours", gateways[n]))
+                for name, app in (order if k % 2 == 0 else order[::-1]):
+                    runs[f"{name}{suffix}_us"].append(await per_request_us(app, n, requests))
+            say(f"round {k + 1}: peer {runs['peer_us'][-1]:.1f} us, ours "
+                f"{runs['ours_us'][-1]:.1f} us per {tokens}-token request")
+            bar.update()
     return {key: statistics.median(values) for key, values in runs.items()}
 
 

@@ -12,7 +12,8 @@ cancel: the counted process forks a marker child at each boundary of its counted
     layers-gate instructions_per_request=X instructions_per_token=Y baseline=A/B
         change=+P%/+Q% result=pass|fail|stale|updated
 
-(one line): our layers' instructions per streamed request (a 1-token answer) and per further
+(one line, the last on stdout; a progress bar of the two runs, native then under cachegrind,
+on stderr): our layers' instructions per streamed request (a 1-token answer) and per further
 streamed token; the baseline's two figures and the change from them, request/token.
 ``fail`` (exit 1): either figure more than :data:`TOLERANCE_PCT` above the baseline.
 
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 
 from bench.layers import slopes
+from bench.progress import bar as progress_bar
 
 BASELINE = Path(__file__).with_name("layers-baseline.json")
 """The committed baseline (``--update-baseline`` writes it)."""
@@ -85,24 +87,30 @@ def count(tokens: int, requests: int) -> tuple[dict, list[str]]:
            "LC_ALL": "C.UTF-8"}
     root = Path(__file__).resolve().parent.parent
     workload = [sys.executable, "-m", "bench.layers", "--marks"]
-    # Natively first, at a tiny size: every module it imports then has its bytecode cache, so
-    # the counted run loads them as every later run will. Compiling them from source leaves
-    # another heap behind, which moved the figures by up to 0.5 %.
-    prime = subprocess.run(workload + ["--tokens", "2", "--requests", "1"], capture_output=True,
-                           text=True, env=env, cwd=root, timeout=300)
-    if prime.returncode != 0:
-        raise RuntimeError(f"bench.layers --marks exited {prime.returncode} natively:\n"
-                           f"{prime.stderr[-4000:]}")
-    layout = fixed_layout()
-    if not layout:
-        print("bench.layers_gate: no setarch -R here, address randomisation stays on: the "
-              "figures vary by up to ~0.7 % between runs", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="layers-gate-") as out:
-        cmd = [*layout, "valgrind", "--tool=cachegrind", "--cache-sim=no",
-               f"--cachegrind-out-file={out}/cg.%p", *workload,
-               "--tokens", str(tokens), "--requests", str(requests)]
-        run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root,
-                             timeout=900)
+        with progress_bar(2, "bench.layers --marks", "run") as bar:
+            # Natively first, at a tiny size: every module it imports then has its bytecode
+            # cache, so the counted run loads them as every later run will. Compiling them
+            # from source leaves another heap behind, which moved the figures by up to 0.5 %.
+            bar.set_postfix_str("natively (bytecode caches)")
+            prime = subprocess.run(workload + ["--tokens", "2", "--requests", "1"],
+                                   capture_output=True, text=True, env=env, cwd=root,
+                                   timeout=300)
+            if prime.returncode != 0:
+                raise RuntimeError(f"bench.layers --marks exited {prime.returncode} "
+                                   f"natively:\n{prime.stderr[-4000:]}")
+            bar.update()
+            layout = fixed_layout()
+            if not layout:
+                bar.write("bench.layers_gate: no setarch -R here, address randomisation stays "
+                          "on: the figures vary by up to ~0.7 % between runs", file=sys.stderr)
+            cmd = [*layout, "valgrind", "--tool=cachegrind", "--cache-sim=no",
+                   f"--cachegrind-out-file={out}/cg.%p", *workload,
+                   "--tokens", str(tokens), "--requests", str(requests)]
+            bar.set_postfix_str("under cachegrind (~30 s)")
+            run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root,
+                                 timeout=900)
+            bar.update()
         if run.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {run.returncode}:\n{run.stderr[-4000:]}")
         counts, modules = {}, []

@@ -43,6 +43,7 @@ from serve.admission.burst import burst_window_s as burst_window
 from serve.admission.capacity import kv_safe_seqs
 from serve.admission.controller import Controller, ControllerConfig
 from serve.admission.engine_stats import EngineStatsFeed
+from serve.admission.fair import FairQueue
 from serve.admission.goodput import SloTargets, streamed_good
 from serve.admission.limiter import QUEUE_FULL, QUEUE_TIMEOUT
 from serve.admission.limiter import SLO as SLO_REJECT
@@ -338,13 +339,14 @@ class _Seq:
 
 
 class SimGate:
-    """The simulator's admission gate: a synchronous FIFO queue over the server's
-    :class:`~serve.admission.limiter.SlotCounter`, used through its public interface only.
+    """The simulator's admission gate: the server's fair queue
+    (:class:`~serve.admission.fair.FairQueue`, one FIFO per tenant) over the server's
+    :class:`~serve.admission.limiter.SlotCounter`, both used through their public interfaces.
 
     Slot counting, a burst's prefill budget (on each request's prompt tokens: the trace's
     exact count, where the server has its intake's estimate), the completion-rate window and
     the expected-wait estimate are the real counter's; only the queue (asyncio futures in
-    :class:`AdmissionLimiter`, a deque here) differs. The autotuner sees the limiter's
+    :class:`AdmissionLimiter`, plain items here) differs. The autotuner sees the limiter's
     interface: ``snapshot()``, ``limit``, ``set_limit()``, ``set_burst_budget()``,
     ``in_flight``, ``pending``.
 
@@ -355,6 +357,7 @@ class SimGate:
         ceiling, engine_queue, ablate: as :class:`SlotCounter` (no engine queue by default).
         on_admit: called with ``(result, slot)`` when a request enters the engine.
         on_drop: called with ``(result, reason)`` when the gate rejects a request.
+        weights: each tenant's weight in fair admission (1 if absent).
     """
 
     def __init__(self, limit: int, max_queue: int, max_queue_wait_s: float,
@@ -362,14 +365,16 @@ class SimGate:
                  on_admit: Callable[[RequestResult, Slot], None],
                  on_drop: Callable[[RequestResult, str], None],
                  ceiling: int | None = None, engine_queue: int = 0,
-                 burst_window_s: float = 2.0, ablate: frozenset[str] = frozenset()) -> None:
+                 burst_window_s: float = 2.0, ablate: frozenset[str] = frozenset(),
+                 weights: dict[str, float] | None = None) -> None:
         self.slots = SlotCounter(limit, clock=clock, on_free=self._wake, ceiling=ceiling,
                                  engine_queue=engine_queue, engine_queue_wait_s=shed_ttft_s,
                                  burst_window_s=burst_window_s, ablate=ablate)
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self.clock = clock
-        self.queue: collections.deque[RequestResult] = collections.deque()
+        self.queue: FairQueue[RequestResult] = FairQueue(ablate)
+        self.weights = weights or {}
         self.shed_ttft_s = shed_ttft_s
         self.on_admit = on_admit
         self.on_drop = on_drop
@@ -398,30 +403,47 @@ class SimGate:
     def offer(self, result: RequestResult) -> None:
         """A request arrives now: admit, queue or reject it (the middleware's ``_acquire``)."""
         self.slots.arrived()
-        tokens = result.request.prompt_tokens
+        tokens, tenant = result.request.prompt_tokens, result.request.tenant
         if not self.queue and self.slots.admits(tokens):
-            self.on_admit(result, self.slots.take(result.arrival_s, tokens))
+            self.queue.started(tenant)
+            self.on_admit(result, self._granted(self.slots.take(result.arrival_s, tokens),
+                                                tenant))
             return
-        if len(self.queue) >= self.max_queue:
+        if self.queue.pending(tenant) >= self.max_queue:
             self.on_drop(result, QUEUE_FULL)
             return
-        if self.slots.slo_wait_s(len(self.queue), self.shed_ttft_s) is not None:
+        if self.slots.slo_wait_s(self.queue.position(tenant), self.shed_ttft_s,
+                                 self.queue.ahead(tenant, self.slots.ahead())) is not None:
             self.on_drop(result, SLO_REJECT)
             return
-        self.queue.append(result)
+        self.queue.push(tenant, result, self.weights.get(tenant, 1.0))
+
+    def _granted(self, slot: Slot, tenant: str) -> Slot:
+        slot.on_release = lambda: self.queue.finished(tenant)
+        return slot
 
     def expire(self) -> None:
-        """Reject queued requests that have waited longer than ``max_queue_wait_s``."""
+        """Reject queued requests that have waited longer than ``max_queue_wait_s`` (each
+        tenant's FIFO is in arrival order: only heads can have expired first)."""
         now = self.clock()
-        while self.queue and now - self.queue[0].arrival_s > self.max_queue_wait_s:
-            self.on_drop(self.queue.popleft(), QUEUE_TIMEOUT)
+        expired = True
+        while expired:
+            expired = [(t, r) for t, r in self.queue.heads()
+                       if now - r.arrival_s > self.max_queue_wait_s]
+            for tenant, result in expired:
+                self.queue.remove(tenant, result)
+                self.on_drop(result, QUEUE_TIMEOUT)
 
     def _wake(self) -> None:
         self.expire()
-        while self.queue and self.slots.admits(self.queue[0].request.prompt_tokens):
-            result = self.queue.popleft()
-            self.on_admit(result, self.slots.take(result.arrival_s,
-                                                  result.request.prompt_tokens, queued=True))
+        while (head := self.queue.head()) is not None:
+            tenant, result = head
+            if not self.slots.admits(result.request.prompt_tokens):
+                break
+            self.queue.pop(tenant)
+            self.on_admit(result, self._granted(
+                self.slots.take(result.arrival_s, result.request.prompt_tokens, queued=True),
+                tenant))
 
 
 class _NoGpu:
@@ -482,7 +504,8 @@ class Simulation:
                             ceiling=None if unlimited else engine.max_num_seqs,
                             engine_queue=setup.engine_queue,
                             burst_window_s=burst_window(setup.slo.ttft_s, setup.interval_s),
-                            ablate=setup.controller.ablate if mode == "auto" else frozenset())
+                            ablate=setup.controller.ablate if mode == "auto" else frozenset(),
+                            weights=dict(trace.weights))
         self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock,
                                     step_tokens=engine.max_num_batched_tokens)
         config = replace(setup.controller, ceiling=engine.max_num_seqs,

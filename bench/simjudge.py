@@ -19,8 +19,9 @@ seed >= 0.95``. The targets (issue 32), per profile and trace:
 - on the overload traces (:data:`OVERLOAD`): the median over seeds of ``auto / L`` >= 1.0 for
   each fixed L.
 
-The runs are spread over ``--workers`` processes (each (profile, seed) is independent). The
-last two lines::
+The runs are spread over ``--workers`` processes (each (profile, seed) is independent); a
+progress bar on stderr counts the (profile, seed) jobs done, with an ETA. The last two lines
+(stdout)::
 
     simjudge seeds=N worst auto/L=X auto/unlimited=Y result=pass|fail
     autotune sim seeds=N worst auto/L=X auto/unlimited=Y | calib=off | cpu aa=n/a ... result=R
@@ -40,7 +41,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -123,14 +124,51 @@ def _run(job: tuple) -> list[Cell]:
     return run_cells(*job)
 
 
-def run_grid(jobs: Iterable[tuple], workers: int = 2) -> list[Cell]:
+def run_jobs(fn, jobs: Sequence[tuple], workers: int, desc: str | None = None,
+             label=None) -> list:
+    """``[fn(job) for job in jobs]``, in ``workers`` processes (1: in this one), in job order.
+    With ``desc``, a progress bar on stderr (:func:`bench.progress.bar`) counts the jobs done,
+    each named by ``label(job)`` when it ends."""
+    bar = None
+    if desc is not None:
+        from bench.progress import bar as progress_bar
+
+        bar = progress_bar(len(jobs), desc, "job")
+
+    def done(job: tuple) -> None:
+        if bar is not None:
+            if label is not None:
+                bar.set_postfix_str(f"{label(job)} done", refresh=False)
+            bar.update()
+
+    try:
+        if workers <= 1:
+            out = []
+            for job in jobs:
+                out.append(fn(job))
+                done(job)
+            return out
+        with ProcessPoolExecutor(workers) as pool:
+            futures = {pool.submit(fn, job): i for i, job in enumerate(jobs)}
+            results: list = [None] * len(jobs)
+            for future in as_completed(futures):
+                i = futures[future]
+                results[i] = future.result()
+                done(jobs[i])
+            return results
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def run_grid(jobs: Iterable[tuple], workers: int = 2, progress: bool = False) -> list[Cell]:
     """Run :func:`run_cells` for each ``(profile, seed, ablate, arms, traces)`` job, in
-    ``workers`` processes (1: in this one); the cells of every job, in job order."""
+    ``workers`` processes (1: in this one); the cells of every job, in job order.
+    ``progress``: a bar on stderr of the (profile, seed) jobs done, with an ETA."""
     jobs = list(jobs)
-    if workers <= 1:
-        return [c for job in jobs for c in _run(job)]
-    with ProcessPoolExecutor(workers) as pool:
-        return [c for cells in pool.map(_run, jobs) for c in cells]
+    parts = run_jobs(_run, jobs, workers, "simjudge" if progress else None,
+                     lambda job: f"{job[0]} seed {job[1]}")
+    return [c for cells in parts for c in cells]
 
 
 @dataclass(frozen=True)
@@ -236,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     profiles = [x for x in args.profiles.split(",") if x]
     t0 = time.perf_counter()
     cells = run_grid(((pr, seed, frozenset(), True, SUITE) for pr in profiles
-                      for seed in range(args.seeds)), args.workers)
+                      for seed in range(args.seeds)), args.workers, progress=True)
     verdicts = judge(cells)
     print(format_verdicts(verdicts))
     print(f"({len(cells)} cells in {time.perf_counter() - t0:.0f} s)")

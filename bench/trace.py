@@ -36,6 +36,8 @@ import math
 import random
 from dataclasses import dataclass, replace
 
+from serve.admission.fair import DEFAULT_TENANT
+
 #: Typical upload sizes (width, height) in pixels: phone photos, screenshots, scans, charts.
 IMAGE_SIZES = ((4032, 3024), (3024, 4032), (1920, 1080), (1280, 720), (1024, 768),
                (800, 600), (640, 480), (1080, 1920), (1700, 2200), (512, 512), (2048, 1536))
@@ -53,6 +55,7 @@ class TraceRequest:
         images: number of images.
         output_tokens: tokens the answer has (``max_tokens`` with ``ignore_eos`` on replay).
         phase: name of the phase the request arrived in.
+        tenant: who sends it (the API key's tenant; one tenant unless a trace says).
     """
 
     id: int
@@ -62,6 +65,7 @@ class TraceRequest:
     images: int
     output_tokens: int
     phase: str
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class Trace:
     phases: tuple[Phase, ...]
     requests: tuple[TraceRequest, ...]
     seed: int
+    #: Weight of each tenant in fair admission, ``((tenant, weight), ...)``; 1 if absent.
+    weights: tuple[tuple[str, float], ...] = ()
 
     @property
     def duration_s(self) -> float:
@@ -408,3 +414,22 @@ def cpu_suite(seed: int = 0, capacity: Capacity = CPU_CAPACITY,
         "T5": cpu_trace(seed, phase_s, scale),
         "T6": build_trace((chat_phase("T6", 20.0, 2.0 * c.chat_rps, c),), seed),
     }
+
+
+def tenants_trace(capacity: Capacity, rates: dict[str, float], seed: int = 0,
+                  duration_s: float = 240.0, weights: dict[str, float] | None = None) -> Trace:
+    """Tenants sharing one engine: each tenant sends chat requests (the suite's chat mix)
+    at ``rates[tenant]`` times ``capacity.chat_rps``, Poisson, for ``duration_s``; the
+    requests are merged by arrival. ``weights``: each tenant's weight in fair admission.
+    Seeded per tenant, so a tenant's requests are the same whoever else sends."""
+    requests: list[TraceRequest] = []
+    phases = []
+    for i, (tenant, rate) in enumerate(sorted(rates.items())):
+        part = build_trace((chat_phase(tenant, duration_s, rate * capacity.chat_rps,
+                                       capacity),), seed * 1000 + i)
+        phases.append(part.phases[0])
+        requests += [replace(r, tenant=tenant) for r in part.requests]
+    requests.sort(key=lambda r: r.arrival_s)
+    merged = tuple(replace(r, id=i) for i, r in enumerate(requests))
+    phase = replace(phases[0], name="tenants", rate_per_s=sum(p.rate_per_s for p in phases))
+    return Trace((phase,), merged, seed, tuple(sorted((weights or {}).items())))

@@ -23,7 +23,8 @@ its mean and a 90 % percentile bootstrap over episodes (Efron & Tibshirani 1993;
 episodes are the independent blocks, as in Kalibera & Jones 2013). Targets (issue 32): the
 A/A interval inside [0.85, 1.18] (else the run is ``unresolved``); auto against each fixed L
 lower bound >= 0.85; auto against off lower bound >= 1.2 on the overload episodes (T2's
-bursts, T6) and >= 0.95 on T1. Last line (one line, wrapped here)::
+bursts, T6) and >= 0.95 on T1. A progress bar on stderr counts the (episode, arm) replays done,
+with an ETA; stdout gets one line per episode and ends with (one line, wrapped here)::
 
     witness episodes=N aa=[lo,hi] auto/L8=[lo,hi] auto/L16=[lo,hi]
         auto/off_overload=[lo,hi] auto/off_steady=[lo,hi]
@@ -187,37 +188,44 @@ async def _drain(client, timeout_s: float = 120.0) -> None:
 def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
         slo, drain_s: float = 30.0) -> dict[str, dict[str, int]]:
     """Replay every episode on every arm against the server at ``base_url``; returns
-    ``{episode: {arm: good requests}}``. Prints one line per episode."""
+    ``{episode: {arm: good requests}}``. Prints one line per episode (stdout) and counts the
+    (episode, arm) replays on a progress bar (stderr)."""
     import httpx
 
     from bench.autotune import summarize
     from bench.cpu_engine import build_bodies, replay_http
+    from bench.progress import bar as progress_bar
+    from bench.progress import say
 
     rng = random.Random(seed)
     order = list(eps)
     rng.shuffle(order)
     model = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
     good: dict[str, dict[str, int]] = {}
-    for name in order:
-        trace = eps[name]
-        perm = list(arms)
-        rng.shuffle(perm)
-        good[name] = {}
-        for arm in perm:
-            bodies = build_bodies(trace, model, salt=salt(arm, seed))
-            with httpx.Client(base_url=base_url, timeout=30) as c:
-                r = c.post("/admin/bench/admission", json=ARMS[arm])
-                r.raise_for_status()
-            replay = asyncio.run(replay_http(trace, base_url, bodies, drain_s=drain_s))
-            s = summarize(arm, replay.results, trace, slo)
-            good[name][arm] = s.good
+    with progress_bar(len(order) * len(arms), "witness", "replay") as bar:
+        for k, name in enumerate(order):
+            bar.set_description(f"witness episode {k + 1}/{len(order)}")
+            trace = eps[name]
+            perm = list(arms)
+            rng.shuffle(perm)
+            good[name] = {}
+            for arm in perm:
+                bar.set_postfix_str(f"{name} {arm}")
+                bodies = build_bodies(trace, model, salt=salt(arm, seed))
+                with httpx.Client(base_url=base_url, timeout=30) as c:
+                    r = c.post("/admin/bench/admission", json=ARMS[arm])
+                    r.raise_for_status()
+                replay = asyncio.run(replay_http(trace, base_url, bodies, drain_s=drain_s))
+                s = summarize(arm, replay.results, trace, slo)
+                good[name][arm] = s.good
 
-            async def drain() -> None:
-                async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
-                    await _drain(c)
-            asyncio.run(drain())
-        print(f"{name:6} {len(trace.requests):4} requests  " + "  ".join(
-            f"{a} {good[name][a]}" for a in arms), flush=True)
+                async def drain() -> None:
+                    async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
+                        await _drain(c)
+                asyncio.run(drain())
+                bar.update()
+            say(f"{name:6} {len(trace.requests):4} requests  " + "  ".join(
+                f"{a} {good[name][a]}" for a in arms))
     return good
 
 
@@ -253,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     url = args.url
     if url is None:
         ensure_tiny_model()
+        print(f"witness: starting python -m serve on the tiny model (log "
+              f"{args.out / 'witness-server.log'}) ...", file=sys.stderr, flush=True)
         server = start_serve(["--bench-admin", "--slo-ttft-s", f"{CPU_SLO.ttft_s:g}",
                               "--slo-itl-s", f"{CPU_SLO.itl_s:g}", *CPU_AUTO_ARGS],
                              args.out / "witness-server.log")

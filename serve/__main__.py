@@ -1,21 +1,20 @@
 """``python -m serve`` (console script ``phi3v-serve``): run the API server.
 
-Every flag is a field of :class:`serve.settings.Settings` (``--help`` lists them all, each
-also settable as a ``PHI3V_*`` environment variable).
+Every flag of ``vllm serve`` works with vLLM's meaning, plus our gateway's flags (fields of
+:class:`serve.settings.Settings`, each also a ``PHI3V_*`` environment variable) and
+``--config FILE``: see :mod:`serve.cli`.
 """
 
 from __future__ import annotations
 
-import logging
+import os
 import sys
 from pathlib import Path
 
-from pydantic_settings import CliApp
-
+from serve.cli import CliError, parse_settings
+from serve.logs import configure_logging
 from serve.routes import RouteTable
 from serve.settings import REAL_MODEL_ID, Settings
-
-log = logging.getLogger("serve")
 
 
 def check_model_dir(settings: Settings) -> str | None:
@@ -84,19 +83,34 @@ def raise_open_file_limit(settings: Settings) -> str | None:
     return None
 
 
-def configure_logging(level: str) -> None:
-    """Our ``serve.*`` loggers get their own handler: vLLM re-applies its logging dictConfig
-    while the engine starts, which resets the root logger's handlers."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.handlers[:] = [handler]
-    log.setLevel(level.upper())
-    log.propagate = False
+def server_options(settings: Settings) -> dict:
+    """``uvicorn.Config`` keywords for vLLM's server flags (``serve.cli.VLLM_FLAG_POLICY``,
+    kind "server"), as vLLM's launcher passes them
+    (``vllm/entrypoints/launchers/api_server/entry.py``); only those given, so uvicorn's
+    defaults stay where the operator set nothing."""
+    given = settings.vllm_args
+    # uvicorn's access line is replaced by the gateway's access record (serve.logs), which
+    # --disable-uvicorn-access-log and --disable-access-log-for-endpoints govern.
+    opts: dict = {"log_level": given.get("uvicorn_log_level", settings.log_level),
+                  "access_log": False}
+    for key in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers",
+                "uds", "root_path"):
+        if given.get(key) is not None:
+            opts[key] = given[key]
+    return opts
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, then serve until SIGINT/SIGTERM. Returns the process exit status."""
-    settings = CliApp.run(Settings, cli_args=argv if argv is not None else sys.argv[1:])
+    # vLLM reads its environment at import time, and the parser is vLLM's: set it first.
+    from serve.engine import apply_engine_env
+
+    apply_engine_env(Settings.model_construct(device=os.environ.get("PHI3V_DEVICE")))
+    try:
+        settings = parse_settings(argv)
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # Hardware defaults resolved once, here; every later `resolved()` returns this object.
     settings = settings.resolved()
     problem = (check_model_dir(settings) or check_step_budget(settings)
@@ -109,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
 
-    # vLLM reads its environment at import time: set it before anything imports vLLM.
-    from serve.engine import apply_engine_env
-
-    apply_engine_env(settings)
-    configure_logging(settings.log_level)
+    configure_logging(settings)
 
     import uvicorn
 
@@ -134,12 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     # The drain (serve.lifecycle) ends every request before uvicorn stops: its own grace only
     # covers the engine requests aborted by that.
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level, timeout_graceful_shutdown=5,
-                            lifespan="on",
+                            timeout_graceful_shutdown=5, lifespan="on",
+                            **server_options(settings),
                             timeout_keep_alive=settings.http_keep_alive_timeout_s,
                             http=bounded_http_protocol(ConnectionLimits.from_settings(settings),
                                                        app.count_refused))
-    server = DrainingServer(config, lambda: app.drain(settings.drain_timeout_s))
+    server = DrainingServer(config, lambda: app.drain(settings.drain_timeout_s),
+                            ssl_refresh=settings.vllm_args.get("enable_ssl_refresh", False))
     server.run()
     return 1 if failed else 0
 

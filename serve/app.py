@@ -18,10 +18,14 @@ Routes owned here:
 - ``POST /admin/bench/admission`` (only with ``--bench-admin``): set the admission mode
   live and reset the autotuner (benchmarks).
 
+With ``--allowed-origins``, CORS is answered in front of everything, auth included
+(``serve.cors``): a browser's preflight is never a 401.
+
 Every other path is looked up in the route table (``serve.routes``): generation routes take
 the full request path (body limit -> intake -> admission -> stream guard -> vLLM), read-only
 vLLM routes are served as is, and everything else (administration, scaling, batch, token-level
-and, unless ``--open-routes``, the routes without intake) is 404.
+and, unless ``--open-routes``, the routes without intake) is 404. With
+``--otlp-traces-endpoint`` each generation request is traced (``serve.tracing``).
 """
 
 from __future__ import annotations
@@ -49,12 +53,15 @@ from serve.admission.engine_stats import stalled_s
 from serve.admission.service import Admission
 from serve.asgi import REQUEST_STATE_KEY, BodyLimitMiddleware, response_channel
 from serve.auth import ApiKeys, unauthorized
+from serve.cors import cors_layer
 from serve.errors import ENGINE_LOST, RETRY_AFTER_S, SHUTTING_DOWN, openai_error
 from serve.intake.service import Intake
+from serve.logs import AccessLog
 from serve.metrics import Metrics
 from serve.routes import CLOSED, OPTIONAL, RouteTable
 from serve.settings import Settings
 from serve.streamguard import StreamGuardMiddleware
+from serve.tracing import NO_SPANS, Tracing
 
 log = logging.getLogger("serve.app")
 
@@ -118,6 +125,8 @@ class Gateway:
         self.intake = Intake.from_settings(settings)
         self.keys = ApiKeys.load(settings.api_keys, settings.api_key_file)
         self.routes = RouteTable(settings.open_routes)
+        #: OpenTelemetry spans of the request path (``serve.tracing``); None: off.
+        self.tracing = Tracing.from_settings(settings)
         self._open_paths = {"/health", "/ready"} | (
             set() if settings.metrics_require_auth else {"/metrics"})
         self.own = Starlette(
@@ -134,6 +143,10 @@ class Gateway:
             lifespan=self._lifespan,
         )
         self._own_paths = {r.path for r in self.own.routes}
+        #: One access record per HTTP request, and its request id (``serve.logs``).
+        self.access = AccessLog.from_settings(settings, self.route_of)
+        #: CORS (``--allowed-origins``, ``serve.cors``), then :meth:`_serve`.
+        self._entry = cors_layer(self._serve, settings)
 
     # --- ASGI -------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -143,9 +156,17 @@ class Gateway:
         if scope["type"] == "http":
             send = response_channel(send)  # the one send wrapper of the request's layers
             http_metrics.count_responses(scope, send, self.metrics.http_responses)
-            if scope.get("path") not in self._open_paths and not self.keys.permits(scope):
-                await unauthorized()(scope, receive, send)
-                return
+            with self.access.request(scope, send):  # request id, then the access record
+                await self._entry(scope, receive, send)
+            return
+        await self._entry(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Auth, the route table, then our routes or vLLM's app behind the request layers."""
+        if (scope["type"] == "http" and scope.get("path") not in self._open_paths
+                and not self.keys.permits(scope)):
+            await unauthorized()(scope, receive, send)
+            return
         if scope.get("path") in self._own_paths:
             await self.own(scope, receive, send)
             return
@@ -168,6 +189,10 @@ class Gateway:
             log.exception("unhandled error on %s", scope.get("path"))
             await openai_error(500, "internal server error", type_="server_error")(
                 scope, receive, send)
+
+    def route_of(self, path: str) -> str:
+        """The route template of ``path``: ours, vLLM's (``serve.routes``), else ``other``."""
+        return path if path in self._own_paths else self.routes.template(path) or "other"
 
     def count_refused(self, status: int, path: str | None = None) -> None:
         """Count an answer written below the app by ``serve.http_limits`` (431 head too
@@ -298,15 +323,22 @@ class Gateway:
                              "kv_capacity": self.admission.kv_capacity})
 
     def request_layers(self) -> list[Callable[[ASGIApp], ASGIApp]]:
-        """The layers every request to vLLM's app passes, outermost first (auth and the route
-        table come before, in :meth:`__call__`). Each wraps an ASGI app; generation routes
-        (``serve.routes.GENERATION_ROUTES``) get all of them, other routes pass through
-        unchanged except for the body limit."""
+        """The layers every request to vLLM's app passes, outermost first (CORS, auth and the
+        route table come before: :meth:`__call__`, :meth:`_serve`). Each wraps an ASGI app;
+        generation routes (``serve.routes.GENERATION_ROUTES``) get all of them, other routes
+        pass through unchanged except for the body limit. With tracing, ``spans`` adds the
+        span layers (``serve.tracing``: the server span, then one span per stage); without,
+        none."""
+        spans = self.tracing.layers(self.admission.limiter) if self.tracing else NO_SPANS
         return [
+            *spans.request,  # the request's server span
             lambda inner: BodyLimitMiddleware(inner, self.settings.max_request_bytes),
+            *spans.intake,
             self.intake.wrap,  # validation, images, prompt length, request ids
+            *spans.admission,
             # the live max_num_seqs, goodput accounting
             lambda inner: self.admission.wrap(inner, self.state.engine_alive),
+            *spans.engine,  # vLLM's span joins the request's trace
             # one error event, never a silent cut
             lambda inner: StreamGuardMiddleware(inner, self.settings.responses_incomplete_event),
         ]
@@ -354,6 +386,8 @@ class Gateway:
         if self.intake.workers is not None:
             # Shut down last (the exit stack unwinds in reverse): after the engine and the drain.
             self._exit_stack.push_async_callback(asyncio.to_thread, self.intake.workers.close)
+        if self.tracing is not None:  # after the engine: the last requests' spans leave
+            self._exit_stack.push_async_callback(asyncio.to_thread, self.tracing.shutdown)
         self._boot_task = asyncio.create_task(self._boot(), name="engine-boot")
         self._boot_task.add_done_callback(_log_failure)
         try:

@@ -17,7 +17,8 @@ IMAGES_SCOPE_KEY = "phi3v.images"
 #: included; ``serve.intake.budget.PromptBudget.estimate``) to admission.
 PROMPT_TOKENS_SCOPE_KEY = "phi3v.prompt_tokens"
 #: ASGI scope key of a per-request dict shared by every layer (scope copies keep the same
-#: dict): admission sets ``client_left`` there when the client disconnected before the answer.
+#: dict): admission sets ``client_left`` there when the client disconnected before the answer;
+#: the layers note there what the request's access record reports (``serve.logs``).
 REQUEST_STATE_KEY = "phi3v.request"
 
 

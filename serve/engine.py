@@ -34,22 +34,31 @@ def apply_engine_env(settings: Settings) -> None:
 
 
 def vllm_frontend_args(settings: Settings) -> Namespace:
-    """The ``argparse.Namespace`` vLLM's OpenAI app expects, derived from our settings.
+    """The ``argparse.Namespace`` of vLLM's ``vllm serve`` for our settings: what vLLM's
+    OpenAI app and ``AsyncEngineArgs.from_cli_args`` read.
 
-    vLLM's own parser supplies every frontend default (chat template, tool parsers, ...);
-    the engine fields are overwritten from :meth:`Settings.engine_kwargs` so there is one
-    source of truth.
+    Built in three layers, later ones winning: vLLM's own defaults (its parser on an empty
+    command line), the vLLM flags the operator gave that are not settings
+    (:attr:`Settings.vllm_args`, ``serve.cli``), then :meth:`Settings.engine_kwargs` (the
+    settings, hardware defaults resolved). Then what the gateway does itself is switched off
+    in vLLM's app: API-key checks (``serve.auth``) and CORS (the gateway's outer layer), and
+    per-request ``mm_processor_kwargs`` are trusted (intake bounds them).
     """
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser())
-    args = parser.parse_args(["--model", settings.model])
-    for key, value in settings.engine_kwargs().items():
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+    for key, value in {**settings.vllm_args, **settings.engine_kwargs()}.items():
         setattr(args, key, value)
+    args.model_tag = None
+    if "use_tqdm_on_load" not in settings.vllm_args:
+        from serve.logs import resolved_format
+
+        # A progress bar is not a JSON line: keep JSON logs parseable unless asked.
+        args.use_tqdm_on_load = resolved_format(settings.log_format) == "text"
     args.host, args.port = settings.host, settings.port
-    # serve.intake validates per-request mm_processor_kwargs (num_crops only, bounded) and
-    # refuses media_io_kwargs before vLLM sees a request.
+    args.api_key = None
+    args.allowed_origins = []
     args.trust_request_mm_kwargs = True
     return args
 
@@ -73,8 +82,10 @@ def vllm_cli_args(settings: Settings) -> list[str]:
     parser = make_arg_parser(FlexibleArgumentParser())
     options = parser._option_string_actions
     argv: list[str] = []
-    for key, value in settings.engine_kwargs().items():
+    for key, value in {**settings.vllm_args, **settings.engine_kwargs()}.items():
         flag = "--" + key.replace("_", "-")
+        if value is None:  # vLLM's default (every such flag of vLLM defaults to None)
+            continue
         if isinstance(value, bool):
             negative = "--no-" + key.replace("_", "-")
             if value:
@@ -93,10 +104,11 @@ def vllm_cli_args(settings: Settings) -> list[str]:
 
 
 def build_engine_args(settings: Settings):
-    """vLLM ``AsyncEngineArgs`` for ``settings`` (resolved for the detected hardware)."""
+    """vLLM ``AsyncEngineArgs`` for ``settings`` (resolved for the detected hardware): every
+    engine flag of :func:`vllm_frontend_args`, as ``vllm serve`` builds them."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return AsyncEngineArgs(**settings.engine_kwargs())
+    return AsyncEngineArgs.from_cli_args(vllm_frontend_args(settings))
 
 
 def effective_settings(settings: Settings) -> dict[str, Any]:
@@ -143,6 +155,7 @@ async def build_openai_app(engine: "AsyncLLM", settings: Settings) -> "FastAPI":
     supported_tasks = await engine.get_supported_tasks()
     app = build_app(args, supported_tasks, engine.model_config)
     drop_http_instrumentation(app)
+    drop_cors_middleware(app)  # the gateway answers CORS in front of auth (serve.cors)
     use_client_field_names(app)  # validation errors name the field the client sent
     await init_app_state(engine, app.state, args, supported_tasks)
     return app
@@ -194,6 +207,25 @@ def drop_http_instrumentation(app: "FastAPI") -> int:
         by_name = getattr(registry, "_names_to_collectors", {})
         for collector in [by_name[n] for n in HTTP_SERIES if n in by_name]:
             registry.unregister(collector)
+    return len(ours)
+
+
+def drop_cors_middleware(app: "FastAPI") -> int:
+    """Take Starlette's ``CORSMiddleware`` off vLLM's app (vLLM adds it from
+    ``--allowed-origins`` and friends, ``vllm.entrypoints.serve.middleware.register``).
+    Returns how many were taken off (1 on vLLM 0.32). Idempotent.
+
+    Why: the gateway answers CORS itself, in front of auth and over its own routes too
+    (``serve.cors``); a second one inside would add ``Access-Control-*`` headers to vLLM's
+    answers again, and a browser refuses an answer with two ``Access-Control-Allow-Origin``
+    values. The middleware stack is reset as in :func:`drop_http_instrumentation`."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    ours = [m for m in app.user_middleware if m.cls is CORSMiddleware]
+    if not ours:
+        return 0
+    app.user_middleware[:] = [m for m in app.user_middleware if m not in ours]
+    app.middleware_stack = None
     return len(ours)
 
 

@@ -1,7 +1,8 @@
 """HTTP/1.1 connection limits below the app, in one uvicorn protocol class
 (:func:`bounded_http_protocol`; flags in ``serve.settings``, README "Connection limits"):
 
-1. **Head size.** A request head (request line and headers) over ``--max-header-bytes`` is 431
+1. **Head size.** A request head (request line and headers) over ``--max-header-bytes``, or
+   with more than ``--max-header-count`` header fields, is 431
    (RFC 6585) and the connection closed. uvicorn's httptools parser buffers a header of any
    size before the app sees it (its h11 parser answers a plain 400); here the head's bytes are
    counted as they arrive, so a 1 MB header costs at most the limit plus one read of memory.
@@ -73,6 +74,7 @@ class ConnectionLimits:
     http_body_min_rate_bytes_s: float
     http_first_request_timeout_s: float
     max_connections: int
+    max_header_count: int = 256
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ConnectionLimits:
@@ -215,6 +217,10 @@ def bounded_http_protocol(limits: ConnectionLimits, on_refused: OnRefused | None
             super().on_message_begin()
 
         def on_header(self, name: bytes, value: bytes) -> None:
+            if self.in_head and len(self.headers) >= limits.max_header_count:
+                if not self.transport.is_closing():
+                    self.refuse(431, f"more than {limits.max_header_count} request headers")
+                return
             if not self.in_head:
                 # A chunked body's trailer fields: httptools hands them here and uvicorn adds
                 # them to the request's headers, so they count against the head limit too.

@@ -26,13 +26,14 @@ def count_responses(scope: Scope, channel: ResponseChannel, responses: Counter) 
     nobody received that answer) in ``responses`` (``route``, ``code`` labels): a head hook
     on ``channel``, so counting costs nothing per streamed token. Adds
     :data:`~serve.asgi.REQUEST_STATE_KEY` to ``scope``; its ``status`` is set once the
-    response has started."""
+    response has started, and ``code`` to the code counted (the access record's status,
+    ``serve.logs``)."""
     route = route_label(scope.get("path", ""))
     state = scope.setdefault(REQUEST_STATE_KEY, {})
 
     def count(message: Message) -> Message:
         code = CLIENT_CLOSED if state.get("client_left") else str(message["status"])
-        state["status"] = message["status"]
+        state["status"], state["code"] = message["status"], code
         responses.labels(route=route, code=code).inc()
         return message
 

@@ -27,17 +27,30 @@ class DrainingServer(uvicorn.Server):
     Args:
         config: uvicorn's configuration.
         drain: coroutine function run on SIGTERM before uvicorn stops (``Gateway.drain``).
+        ssl_refresh: reload the TLS key and certificates when their files change (vLLM's
+            ``--enable-ssl-refresh``, with vLLM's own ``SSLCertRefresher``).
     """
 
-    def __init__(self, config: uvicorn.Config, drain) -> None:
+    def __init__(self, config: uvicorn.Config, drain, ssl_refresh: bool = False) -> None:
         super().__init__(config)
         self._drain = drain
+        self._ssl_refresh = ssl_refresh
+        self._ssl_refresher = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining: asyncio.Future | None = None
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self._ssl_refresh and self.config.ssl is not None:
+            from vllm.entrypoints.launchers.utils.ssl import SSLCertRefresher
+
+            self._ssl_refresher = SSLCertRefresher(
+                ssl_context=self.config.ssl, key_path=self.config.ssl_keyfile,
+                cert_path=self.config.ssl_certfile, ca_path=self.config.ssl_ca_certs)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or self._loop is None or self.should_exit:

@@ -100,17 +100,21 @@ class RouteTable:
             raise ValueError(f"--open-routes accepts only {allowed}; not {', '.join(bad)}")
         self.policies = {path: (SERVED if path in open_routes else policy)
                          for path, policy in VLLM_ROUTES.items()}
-        self._templates = [(_pattern(t), p) for t, p in self.policies.items() if "{" in t]
+        self._templates = [(_pattern(t), t) for t in self.policies if "{" in t]
 
     def policy(self, path: str) -> str:
         """The policy of ``path`` (a request path, not a template); unknown paths are closed."""
-        policy = self.policies.get(path)
-        if policy is not None and "{" not in path:
-            return policy
-        for pattern, templated in self._templates:
+        template = self.template(path)
+        return CLOSED if template is None else self.policies[template]
+
+    def template(self, path: str) -> str | None:
+        """The route template ``path`` (a request path) matches, None when it matches none."""
+        if path in self.policies and "{" not in path:
+            return path
+        for pattern, template in self._templates:
             if pattern.match(path):
-                return templated
-        return CLOSED
+                return template
+        return None
 
     def unclassified(self, templates) -> list[str]:
         """The route templates of an app that this table does not name (sorted)."""

@@ -1,8 +1,9 @@
 """The one typed configuration of the stack.
 
-Every knob is a field of :class:`Settings`, read (highest priority first) from CLI flags
-(``python -m serve --max-num-seqs 32``), ``PHI3V_*`` environment variables
-(``PHI3V_MAX_NUM_SEQS=32``) and the defaults below. Fields left at ``None`` resolve to a
+Every knob is a field of :class:`Settings`, read (highest priority first) from the command
+line (``python -m serve --max-num-seqs 32``; its parser is vLLM's, see ``serve.cli``), a
+``--config`` file, ``PHI3V_*`` environment variables (``PHI3V_MAX_NUM_SEQS=32``) and the
+defaults below. Fields left at ``None`` resolve to a
 hardware default in :meth:`Settings.resolved`: on CPU the values measured to keep a 2-core
 machine responsive (``../shared/vllm-cpu-notes.md``: float32, eager mode, ``num_crops=1``, an
 explicit KV-cache size), on GPU the real model's (bfloat16, ``num_crops=16``, CUDA graphs).
@@ -13,14 +14,18 @@ Nothing in this module imports vLLM or torch, so it is cheap to load and test.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, PrivateAttr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Device = Literal["cpu", "cuda"]
+
+#: Prefix of the environment variables that set :class:`Settings` fields.
+ENV_PREFIX = "PHI3V_"
 
 #: Where ``make demo`` builds the tiny model (relative to the project root).
 DEFAULT_TINY_MODEL_DIR = "models/phi-3-vision-tiny"
@@ -100,20 +105,36 @@ class Settings(BaseSettings):
     """
 
     model_config = SettingsConfigDict(
-        env_prefix="PHI3V_",
-        cli_prog_name="python -m serve",
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        cli_hide_none_type=True,
-        cli_avoid_json=True,
+        env_prefix=ENV_PREFIX,
+        # Unknown PHI3V_* variables are refused by serve.cli (check_environment), with the
+        # nearest name; the model itself ignores them.
         extra="ignore",
     )
 
     # --- HTTP ---------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port of the HTTP server.")
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level of the API process."
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field(
+        "info", description="vLLM's flag (either case): log level of the API process, "
+        "the gateway's loggers and vLLM's."
+    )
+
+    log_format: Literal["auto", "text", "json"] = Field(
+        "auto",
+        description="Log records as text or as one JSON object per line; 'auto': text on a "
+        "terminal, JSON otherwise (containers, systemd, log shippers).",
+    )
+    enable_log_requests: bool = Field(
+        False,
+        description="vLLM's flag: vLLM logs each request's prompt and sampling parameters, "
+        "and the gateway's access record carries the request's messages (images as their "
+        "size and hash). Off: no prompt or image content in any log.",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="vLLM's flag: OpenTelemetry collector (OTLP) that receives vLLM's request "
+        "spans and the gateway's (intake; admission, whose duration is the queue wait), one "
+        "trace per request, continuing the client's W3C traceparent. Off when unset.",
     )
 
     # --- Model --------------------------------------------------------------------------
@@ -121,9 +142,10 @@ class Settings(BaseSettings):
         DEFAULT_TINY_MODEL_DIR,
         description="Local model directory (built by `python -m serve.models.build`).",
     )
-    served_model_name: str | None = Field(
+    served_model_name: Annotated[list[str] | None, NoDecode] = Field(
         None,
-        description="Model name clients send and /v1/models lists; default: the directory name.",
+        description="vLLM's flag: model name(s) clients send and /v1/models lists (the first "
+        "is the name responses carry); default: the model directory's name.",
     )
     load_format: str = Field(
         "auto",
@@ -250,6 +272,11 @@ class Settings(BaseSettings):
         description="Largest request head (request line and headers), bytes; larger is 431. "
         "Counted as it arrives, so a huge header is never buffered.",
     )
+    max_header_count: int = Field(
+        256, ge=1,
+        description="Most header fields in a request head; more is 431. 256: vLLM's "
+        "--h11-max-header-count default (which sets it too).",
+    )
     # Connection limits below the app (serve/http_limits.py); README "Connection limits".
     max_connections: int = Field(
         2048, ge=1,
@@ -350,6 +377,24 @@ class Settings(BaseSettings):
         "intake or admission: /v1/messages, /invocations, /tokenize, /detokenize, stored "
         "responses, the render routes, /docs (see serve/routes.py).",
     )
+    allowed_origins: list[str] = Field(
+        [],
+        description="vLLM's flag: browser origins (scheme://host[:port], or '*') allowed to "
+        "call the API cross-origin (CORS), answered by the gateway in front of auth so a "
+        "preflight (OPTIONS) never gets 401. Empty: no cross-origin access.",
+    )
+    allow_credentials: bool = Field(
+        False, description="vLLM's flag: CORS Access-Control-Allow-Credentials."
+    )
+    allowed_methods: list[str] = Field(["*"], description="vLLM's flag: CORS allowed methods.")
+    allowed_headers: list[str] = Field(["*"], description="vLLM's flag: CORS allowed headers.")
+    tools: Literal["refuse", "ignore", "pass"] = Field(
+        "refuse",
+        description="Requests that carry tools or tool_choice: 'refuse' (400 naming the field: "
+        "Phi-3-vision has no tool-calling template), 'ignore' (served without them, with the "
+        "response header X-Tools-Ignored), 'pass' (forwarded to vLLM, for a chat template "
+        "and --tool-call-parser that support tools).",
+    )
     metrics_require_auth: bool = Field(
         False, description="Require an API key for /metrics too (/health, /ready stay open)."
     )
@@ -425,6 +470,23 @@ class Settings(BaseSettings):
         0.95, gt=0, le=1, description="KV-cache usage (0-1) treated as full: decrease."
     )
 
+    # --- vLLM's other flags ---------------------------------------------------------------
+    vllm_args: dict[str, Any] = Field(
+        {},
+        description="The vLLM flags given that are not settings above, by argparse "
+        "destination (quantization, kv_cache_dtype, chat_template...), as vLLM's parser "
+        "converted them: passed unchanged to AsyncEngineArgs and vLLM's OpenAI app "
+        "(serve.cli fills it; serve.engine.vllm_namespace applies it).",
+    )
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        """One name (an environment variable's text, or a JSON list of names) or a list."""
+        if isinstance(value, str):
+            return json.loads(value) if value.lstrip().startswith("[") else [value]
+        return value
+
     def client_limits(self) -> dict:
         """The request limits clients must respect: the body of ``GET /limits`` (the UI's
         ``ui.api.ServerLimits`` reads it back). Resolved for the hardware."""
@@ -488,7 +550,7 @@ class Settings(BaseSettings):
     @property
     def model_name(self) -> str:
         """The name clients use in ``model``: ``served_model_name`` or the directory name."""
-        return self.served_model_name or Path(self.model).name
+        return self.served_model_name[0] if self.served_model_name else Path(self.model).name
 
     def engine_env(self) -> dict[str, str]:
         """Environment variables vLLM must see before it is imported.
@@ -509,7 +571,7 @@ class Settings(BaseSettings):
         s = self.resolved()
         kwargs = dict(
             model=s.model,
-            served_model_name=[s.model_name],
+            served_model_name=s.served_model_name or [s.model_name],
             trust_remote_code=True,  # runs only our own config/processor code in the model dir
             load_format=s.load_format,
             dtype=s.dtype,
@@ -520,11 +582,15 @@ class Settings(BaseSettings):
             enable_chunked_prefill=s.enable_chunked_prefill,
             enable_prefix_caching=s.enable_prefix_caching,
             enforce_eager=s.enforce_eager,
-            limit_mm_per_prompt={"image": s.max_images_per_prompt},
-            mm_processor_kwargs={"num_crops": s.num_crops},
+            limit_mm_per_prompt={**s.vllm_args.get("limit_mm_per_prompt", {}),
+                                 "image": s.max_images_per_prompt},
+            mm_processor_kwargs={**s.vllm_args.get("mm_processor_kwargs", {}),
+                                 "num_crops": s.num_crops},
             tensor_parallel_size=s.tensor_parallel_size,
             pipeline_parallel_size=s.pipeline_parallel_size,
             disable_log_stats=False,
+            enable_log_requests=s.enable_log_requests,
+            otlp_traces_endpoint=s.otlp_traces_endpoint,
         )
         if s.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = s.cpu_kv_cache_bytes

@@ -28,7 +28,7 @@ holds, and restored on idle to what the recent traffic fits.
 
 The controller is the only writer of the limit. Every rule past plain AIMD is named in
 :data:`serve.admission.rules.RULES` and earned its place in the ablation of
-``python -m bench.ablate`` (the README's autotuner section has the table); rules whose
+``python -m bench.ablate`` (docs/admission.md has the table); rules whose
 removal cost less than 2 % goodput on every trace and profile of the simulator over ten
 seeds were removed.
 

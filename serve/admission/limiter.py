@@ -1,4 +1,5 @@
-"""Admission limiter: at most ``limit`` requests inside the engine, a bounded FIFO queue before it.
+"""Admission limiter: at most ``limit`` requests inside the engine, a bounded queue per tenant
+before it, served by weighted fair sharing of the slots (:mod:`serve.admission.fair`).
 
 The live ``limit`` *is* the stack's effective ``max_num_seqs``: vLLM's scheduler copies
 ``max_num_seqs`` once at start (worker buffers are sized from it), so the engine's value is the
@@ -22,11 +23,11 @@ Pure Python (standard library): no engine, no HTTP, so it is testable in isolati
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Callable
 
 from serve.admission.burst import burst_window_s
+from serve.admission.fair import DEFAULT_TENANT, FairQueue
 from serve.admission.slots import LimiterSnapshot, Slot, SlotCounter
 
 __all__ = ["AdmissionLimiter", "Rejected", "Slot", "SlotCounter", "LimiterSnapshot",
@@ -61,12 +62,15 @@ class Rejected(Exception):
 
 
 class AdmissionLimiter:
-    """FIFO admission gate with a live limit: the queueing half (asyncio futures, a bounded
-    queue with a wait deadline, SLO shedding) over a :class:`SlotCounter`.
+    """Admission gate with a live limit: the queueing half (asyncio futures, a bounded queue
+    per tenant with a wait deadline, SLO shedding, weighted fair sharing between tenants:
+    :class:`~serve.admission.fair.FairQueue`) over a :class:`SlotCounter`. With one tenant
+    it is a FIFO.
 
     Args:
         limit: initial number of requests allowed in the engine at once (>= 1).
-        max_queue: most requests waiting for a slot; one more is rejected ``queue_full``.
+        max_queue: most requests of one tenant waiting for a slot; one more is rejected
+            ``queue_full``.
         max_queue_wait_s: a queued request not admitted within this many seconds is rejected
             ``queue_timeout``.
         rate_window_s, clock, ceiling, engine_queue, engine_queue_wait_s, burst_window_s:
@@ -85,8 +89,8 @@ class AdmissionLimiter:
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
-        #: Queued requests in FIFO order: (future of the slot, prompt tokens).
-        self._waiters: collections.deque[tuple[asyncio.Future, int]] = collections.deque()
+        #: Queued requests, a FIFO per tenant: (future of the slot, prompt tokens).
+        self.queue: FairQueue[tuple[asyncio.Future, int]] = FairQueue()
         self._closed = False  # draining or engine lost: queue no one
         self._closed_message = ""
 
@@ -115,8 +119,8 @@ class AdmissionLimiter:
 
     @property
     def pending(self) -> int:
-        """Requests waiting in the queue."""
-        return sum(1 for w, _ in self._waiters if not w.done())
+        """Requests waiting in the queue (every tenant's)."""
+        return len(self.queue)
 
     def snapshot(self) -> LimiterSnapshot:
         return self.slots.snapshot(self.pending)
@@ -138,20 +142,25 @@ class AdmissionLimiter:
         """:meth:`SlotCounter.expected_wait_s`."""
         return self.slots.expected_wait_s(position)
 
-    def retry_after_s(self) -> int:
-        """Suggested ``Retry-After`` in whole seconds (1..60) from queue length and drain rate."""
-        return self.slots.retry_after_s(self.pending)
+    def retry_after_s(self, tenant: str | None = None) -> int:
+        """Suggested ``Retry-After`` in whole seconds (1..60) from the queue ahead (of
+        ``tenant``'s next request: :meth:`FairQueue.position`) and the drain rate."""
+        return self.slots.retry_after_s(
+            self.pending if tenant is None else self.queue.position(tenant))
 
     # --- admission ----------------------------------------------------------------------
-    async def acquire(self, ttft_target_s: float | None = None, tokens: int = 0) -> Slot:
-        """Wait for a slot, FIFO.
+    async def acquire(self, ttft_target_s: float | None = None, tokens: int = 0,
+                      tenant: str = DEFAULT_TENANT, weight: float = 1.0) -> Slot:
+        """Wait for a slot: FIFO within ``tenant``, weighted fair between tenants.
 
         Args:
             ttft_target_s: if given, a request whose expected queue wait already exceeds it is
                 shed at once (reason ``slo``; not during a burst at an idle engine:
-                :meth:`SlotCounter.slo_wait_s`).
+                :meth:`SlotCounter.slo_wait_s`). The wait is the tenant's
+                (:meth:`FairQueue.position`).
             tokens: the request's prompt tokens, image tokens included (0: unknown), for a
                 burst's prefill budget (:meth:`SlotCounter.admits`).
+            tenant: who sends it (the API key's tenant); ``weight`` (> 0) its share weight.
 
         Returns:
             the request's :class:`Slot`.
@@ -166,33 +175,38 @@ class AdmissionLimiter:
         if self._closed:
             raise Rejected(UNAVAILABLE, 1, self._closed_message)
         if not self.pending and self.slots.admits(tokens):
-            return self.slots.take(start, tokens)
-        if self.pending >= self.max_queue:
-            raise Rejected(QUEUE_FULL, self.retry_after_s(),
-                           f"Server busy: {self.pending} requests already queued "
-                           f"(max_queue={self.max_queue}).")
-        wait = self.slots.slo_wait_s(self.pending, ttft_target_s)
+            self.queue.started(tenant)
+            return self._granted(self.slots.take(start, tokens), tenant)
+        who = "" if tenant == DEFAULT_TENANT else f"tenant '{tenant}': "
+        if self.queue.pending(tenant) >= self.max_queue:
+            raise Rejected(QUEUE_FULL, self.retry_after_s(tenant),
+                           f"Server busy: {who}{self.queue.pending(tenant)} requests already "
+                           f"queued (max_queue={self.max_queue}).")
+        wait = self.slots.slo_wait_s(self.queue.position(tenant), ttft_target_s,
+                                     self.queue.ahead(tenant, self.slots.ahead()))
         if wait is not None:
-            raise Rejected(SLO, self.retry_after_s(),
-                           f"Server busy: expected queue wait {wait:.1f}s exceeds the "
+            raise Rejected(SLO, self.retry_after_s(tenant),
+                           f"Server busy: {who}expected queue wait {wait:.1f}s exceeds the "
                            f"TTFT target {ttft_target_s:.1f}s.")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiters.append((fut, tokens))
+        waiter = (fut, tokens)
+        self.queue.push(tenant, waiter, weight)
+        self._wake()  # it may be the next one already (another tenant's head is held back)
         try:
             slot = await asyncio.wait_for(asyncio.shield(fut), self.max_queue_wait_s)
         except asyncio.TimeoutError:
-            self._abandon(fut)
-            raise Rejected(QUEUE_TIMEOUT, self.retry_after_s(),
-                           f"Server busy: not admitted within max_queue_wait_s="
+            self._abandon(tenant, waiter)
+            raise Rejected(QUEUE_TIMEOUT, self.retry_after_s(tenant),
+                           f"Server busy: {who}not admitted within max_queue_wait_s="
                            f"{self.max_queue_wait_s:g}s.",
                            queue_wait_s=self._clock() - start) from None
         except BaseException:
-            self._abandon(fut)
+            self._abandon(tenant, waiter)
             raise
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             # Granted in the same tick the client left: wait_for swallowed the cancellation.
-            self._abandon(fut)
+            self._abandon(tenant, waiter)
             raise asyncio.CancelledError
         slot.queue_wait_s = slot.admitted_at - start
         return slot
@@ -203,33 +217,38 @@ class AdmissionLimiter:
         self._closed = True
         self._closed_message = message
         refused = 0
-        while self._waiters:
-            fut, _ = self._waiters.popleft()
+        for fut, _ in self.queue.drain():
             if not fut.done():
                 fut.set_exception(Rejected(UNAVAILABLE, retry_after_s, message))
                 refused += 1
         return refused
 
-    def _abandon(self, fut: asyncio.Future) -> None:
+    def _granted(self, slot: Slot, tenant: str) -> Slot:
+        """``slot`` is ``tenant``'s: releasing it gives the tenant's share back."""
+        slot.on_release = lambda: self.queue.finished(tenant)
+        return slot
+
+    def _abandon(self, tenant: str, waiter: tuple[asyncio.Future, int]) -> None:
         """A waiter leaves (timeout, cancel). If it had been granted a slot meanwhile, hand the
         slot back, so no slot leaks."""
+        fut = waiter[0]
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             fut.result().release(completed=False)
         else:
             fut.cancel()
-            for waiter in self._waiters:
-                if waiter[0] is fut:
-                    self._waiters.remove(waiter)
-                    break
+            self.queue.remove(tenant, waiter)
 
     def _wake(self) -> None:
-        waiters = self._waiters
-        while waiters:
-            fut, tokens = waiters[0]
-            if fut.done():
-                waiters.popleft()
+        """Admit waiting requests while the counter has room, each to the tenant furthest
+        below its share (:meth:`FairQueue.head`)."""
+        while (head := self.queue.head()) is not None:
+            tenant, waiter = head
+            fut, tokens = waiter
+            if fut.done():  # cancelled, not yet removed
+                self.queue.remove(tenant, waiter)
                 continue
             if not self.slots.admits(tokens):
                 break
-            waiters.popleft()
-            fut.set_result(self.slots.take(self._clock(), tokens, queued=True))
+            self.queue.pop(tenant)
+            fut.set_result(self._granted(
+                self.slots.take(self._clock(), tokens, queued=True), tenant))

@@ -34,6 +34,7 @@ from serve.asgi import (
     response_channel,
 )
 from serve.errors import ENGINE_LOST, RETRY_AFTER_S, error_body, openai_error
+from serve.logs import note
 from serve.metrics import Metrics
 from serve.routes import GENERATION_ROUTES
 from serve.sse import CHAT_END, CHAT_SSE, SseDialect, dialect, is_event_stream
@@ -214,6 +215,7 @@ class AdmissionMiddleware:
         except ClientGone:
             return
         except Rejected as rej:
+            note(reject_reason=rej.reason, queue_wait_s=rej.queue_wait_s)  # the access record
             headers = {"Retry-After": str(rej.retry_after_s), "X-Phi3v-Reject-Reason": rej.reason}
             if rej.reason == UNAVAILABLE:  # shutting down or engine lost: not a rate limit
                 response = openai_error(503, str(rej), type_="service_unavailable",
@@ -226,8 +228,10 @@ class AdmissionMiddleware:
             await response(scope, receive, send)
             return
         metrics.queue_wait.observe(slot.queue_wait_s)
+        note(queue_wait_s=slot.queue_wait_s)
         if self.engine_alive is not None and not self.engine_alive():
             slot.release(completed=False)
+            note(reject_reason=UNAVAILABLE)
             await openai_error(503, ENGINE_LOST, type_="service_unavailable",
                                headers={"Retry-After": str(RETRY_AFTER_S)})(
                 scope, receive, send)
@@ -244,6 +248,8 @@ class AdmissionMiddleware:
             slot.release(completed=completed)
             if tracker.client_left:
                 metrics.aborted.inc()
+            if tracker.streaming and tracker.chunk_times:
+                note(first_token_s=tracker.chunk_times[0])
             if completed:
                 metrics.finished.inc()
                 if tracker.streaming and tracker.ttft_s() is not None:

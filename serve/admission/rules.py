@@ -3,10 +3,12 @@
 Every rule beyond plain AIMD (cut on overload, probe on demand, clamp to the bounds) must earn
 its place: ``python -m bench.ablate`` switches each one off in turn and reruns the
 simulator's trace suite over seeds, and a rule whose removal loses less than 2 % goodput on
-every trace and profile is removed from the code (the README's autotuner section has the
+every trace and profile is removed from the code (docs/admission.md has the
 table, with the rules that went). ``burst_no_shed`` is the one kept for another reason: it
 is a guarantee, not a goodput rule (a burst of at most ``max_num_seqs`` at an idle server is
-never refused, as plain vLLM never refuses it; ``make bench``'s W4 target). The switch is a
+never refused, as plain vLLM never refuses it; ``make bench``'s W4 target), and so is
+``fair_below_share`` (a light tenant keeps its TTFT while another floods: judged on the
+simulator's two-tenant trace, ``bench.trace.tenants_trace``). The switch is a
 bench-only ``ControllerConfig.ablate`` set of these names (no setting exposes it); the
 server always runs every rule.
 
@@ -27,6 +29,8 @@ RULES: dict[str, str] = {
     "burst_budget": "a burst at an idle engine is admitted past the limit by prompt tokens",
     "burst_no_shed": "no SLO shedding while a burst at an idle engine is open",
     "engine_queue_wait": "the engine queue holds at most rate x TTFT target requests",
+    "fair_below_share": "a tenant below its share of the slots is not shed for the engine "
+                        "queue others filled",
 }
 
 

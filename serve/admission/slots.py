@@ -26,13 +26,16 @@ from serve.admission.rules import check as check_rules
 class Slot:
     """One admitted request's place in the engine. Release it exactly once."""
 
-    __slots__ = ("_counter", "_released", "admitted_at", "queue_wait_s")
+    __slots__ = ("_counter", "_released", "admitted_at", "queue_wait_s", "on_release")
 
     def __init__(self, counter: "SlotCounter", admitted_at: float, queue_wait_s: float):
         self._counter = counter
         self._released = False
         self.admitted_at = admitted_at
         self.queue_wait_s = queue_wait_s
+        #: Called once when the slot is released, before the counter admits the next request
+        #: (the fair queue gives the tenant's share back first).
+        self.on_release: Callable[[], None] | None = None
 
     @property
     def released(self) -> bool:
@@ -47,6 +50,8 @@ class Slot:
         if self._released:
             return False
         self._released = True
+        if self.on_release is not None:
+            self.on_release()
         self._counter.release(completed)
         return True
 
@@ -289,13 +294,13 @@ class SlotCounter:
         busy = self._completions[-1][1] - self._completions[0][1]
         return (len(self._completions) - 1) / max(busy, 1e-3)
 
-    def expected_wait_s(self, position: int) -> float | None:
+    def expected_wait_s(self, position: int, ahead: int | None = None) -> float | None:
         """Expected seconds until a request ``position`` places from the head of the gateway
         queue (0 = next) gets a batch slot in the engine: ``(ahead + position + 1) /
-        completion_rate`` (Little's law on the drain rate), where ``ahead`` (:meth:`ahead`)
-        counts the admitted requests still waiting for one. 0 when a slot is free for the
-        head; None when no rate is known yet."""
-        ahead = self.ahead()
+        completion_rate`` (Little's law on the drain rate), where ``ahead`` (default
+        :meth:`ahead`) counts the admitted requests still waiting for one. 0 when a slot is
+        free for the head; None when no rate is known yet."""
+        ahead = self.ahead() if ahead is None else ahead
         if position == 0 and not ahead and self.has_room():
             return 0.0
         rate = self.completion_rate()
@@ -303,7 +308,8 @@ class SlotCounter:
             return None
         return (ahead + position + 1) / rate
 
-    def slo_wait_s(self, position: int, ttft_target_s: float | None) -> float | None:
+    def slo_wait_s(self, position: int, ttft_target_s: float | None,
+                   ahead: int | None = None) -> float | None:
         """The expected wait (seconds, :meth:`expected_wait_s`) of a request that would
         queue ``position`` places from the head, when it exceeds ``ttft_target_s`` and the
         request is to be shed (reason ``slo``: it could not meet its TTFT target anyway);
@@ -321,7 +327,7 @@ class SlotCounter:
         if ttft_target_s is None or "slo_shed" in self.ablate or (
                 self.bursts.current() is not None and "burst_no_shed" not in self.ablate):
             return None
-        wait = self.expected_wait_s(position)
+        wait = self.expected_wait_s(position, ahead)
         return wait if wait is not None and wait > ttft_target_s else None
 
     def arrived(self) -> None:

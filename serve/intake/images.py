@@ -2,7 +2,7 @@
 
 Pure functions (bytes in, bytes out) so the policy is testable without a server.
 
-Policy (documented behaviour, also in the README):
+Policy (documented behaviour, also in docs/intake-and-security.md):
 
 - **Size caps.** A ``data:`` URL's base64 payload is measured *before* decoding (decoded size =
   3/4 of the payload): over ``max_bytes`` is 413. Pixels (width x height) are read from the

@@ -6,6 +6,8 @@ Order inside: ``X-Request-Id`` -> ``Content-Encoding`` (identity only, else 415)
 structure (``serve.intake.request`` for chat and completions, ``serve.intake.responses`` for the
 Responses API) -> images (``images``/``urls``, through the prepared-image cache ``cache``) ->
 prompt length (``budget``) -> forward with each image replaced by its prepared ``data:`` URL.
+The tool fields ``--tools ignore`` took out of the body are named in the response header
+``X-Tools-Ignored`` (``tools, tool_choice``), streamed or not.
 A completions prompt is raw text without images: only the shared checks apply (``request_id``,
 ``n``).
 
@@ -19,6 +21,7 @@ image's pixel work to a worker process and waits for it: the same bytes come bac
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import secrets
@@ -35,7 +38,7 @@ from serve.asgi import (
     response_channel,
     with_content_length,
 )
-from serve.intake.budget import PromptBudget
+from serve.intake.budget import PromptBudget, image_tokens
 from serve.intake.cache import ImageCache, image_key
 from serve.intake.errors import IntakeError
 from serve.intake.images import ImagePolicy, data_url_payload, decode_base64, prepare_image
@@ -49,6 +52,7 @@ from serve.intake.request import (
 from serve.intake.responses import parse_responses_request
 from serve.intake.urls import UrlPolicy, fetch_image_url
 from serve.intake.workers import ImageWorkers
+from serve.logs import note
 from serve.routes import CHAT, COMPLETIONS, GENERATION_ROUTES, RESPONSES
 
 log = logging.getLogger("serve.intake")
@@ -56,6 +60,8 @@ log = logging.getLogger("serve.intake")
 PARSERS = {CHAT: parse_chat_request, COMPLETIONS: parse_completion_request,
            RESPONSES: parse_responses_request}
 REQUEST_ID_HEADER = b"x-request-id"
+#: Response header naming the tool fields taken out of the request (``--tools ignore``).
+TOOLS_IGNORED_HEADER = b"x-tools-ignored"
 #: Largest body handled on the event loop when it has no images (a text chat): parsing it takes
 #: microseconds, less than a hop to a worker thread.
 INLINE_MAX_BYTES = 16 * 1024
@@ -73,13 +79,17 @@ class IntakeMiddleware:
         default_max_tokens: ``max_tokens`` of a request that sets neither it nor
             ``max_completion_tokens`` (clamped to what the context leaves).
         workers: the process pool that prepares images; None: the worker thread does.
+        log_content: the request's access record carries its content (``--enable-log-requests``,
+            :func:`request_content`).
     """
 
     def __init__(self, app: ASGIApp, limits: RequestLimits, image_policy: ImagePolicy,
                  url_policy: UrlPolicy, budget: PromptBudget | None = None,
                  cache: ImageCache | None = None, default_num_crops: int = 1,
-                 default_max_tokens: int = 2048, workers: ImageWorkers | None = None) -> None:
+                 default_max_tokens: int = 2048, workers: ImageWorkers | None = None,
+                 log_content: bool = False) -> None:
         self.app = app
+        self.log_content = log_content
         self.limits = limits
         self.image_policy = image_policy
         self.url_policy = url_policy
@@ -104,8 +114,10 @@ class IntakeMiddleware:
         try:
             scope, header_id = unique_request_id_header(scope)
             check_content_encoding(scope)
-            body, images, request_id, tokens = await self.process(raw, protocol, header_id)
+            body, images, request_id, tokens, ignored = await self.process(raw, protocol,
+                                                                            header_id)
         except IntakeError as err:
+            note(reject_reason=err.code or "invalid_request")  # the access record
             if header_id is not None:
                 echo_request_id(channel, header_id)
             await err.response()(scope, receive, channel)
@@ -113,12 +125,15 @@ class IntakeMiddleware:
         scope = {**with_content_length(scope, len(body)), IMAGES_SCOPE_KEY: images,
                  PROMPT_TOKENS_SCOPE_KEY: tokens}
         echo_request_id(channel, request_id)
+        if ignored:
+            channel.on_head(_add_header(TOOLS_IGNORED_HEADER, ", ".join(ignored).encode()))
         await self.app(scope, replay(body, receive), channel)
 
     async def process(self, raw: bytes, protocol: str = CHAT,
-                      header_id: str | None = None) -> tuple[bytes, int, str, int]:
-        """The cleaned request body, its number of images, its request id (:meth:`parse`)
-        and its prompt tokens as admission estimates them (:meth:`serialize`).
+                      header_id: str | None = None) -> tuple[bytes, int, str, int, tuple]:
+        """The cleaned request body, its number of images, its request id (:meth:`parse`),
+        its prompt tokens as admission estimates them and the tool fields taken out of it
+        (:meth:`serialize`).
 
         A body of at most :data:`INLINE_MAX_BYTES` without images whose prompt provably fits
         (:meth:`PromptBudget.check`'s bound) is handled on the event loop: microseconds,
@@ -143,7 +158,7 @@ class IntakeMiddleware:
         return await asyncio.to_thread(self.finish, request, {})
 
     def parse_and_finish(self, raw: bytes, protocol: str = CHAT, header_id: str | None = None
-                         ) -> tuple[bytes, int, str, int] | GenerationRequest:
+                         ) -> tuple[bytes, int, str, int, tuple] | GenerationRequest:
         """:meth:`parse` then :meth:`finish` in the calling (worker) thread, unless an image URL
         must be fetched first: then the parsed request is returned for :meth:`fetch_and_finish`.
         """
@@ -153,7 +168,7 @@ class IntakeMiddleware:
         return self.finish(request, {})
 
     async def fetch_and_finish(self, request: GenerationRequest
-                               ) -> tuple[bytes, int, str, int]:
+                               ) -> tuple[bytes, int, str, int, tuple]:
         """Fetch the request's image URLs (SSRF rules in ``serve.intake.urls``), then finish in a
         worker thread."""
         fetched = {}
@@ -193,6 +208,7 @@ class IntakeMiddleware:
             request.request_id = header_id or data.get("request_id") or new_request_id()
         if header_id is None or protocol == RESPONSES:
             data["request_id"] = request.request_id
+        note(request_id=request.request_id)  # on every log record from here (serve.logs)
         if request.messages is not None and all(
                 data.get(name) is None for name in request.answer_fields):
             # Without a bound vLLM generates until the context is full (minutes on a 128k
@@ -203,7 +219,7 @@ class IntakeMiddleware:
         return request
 
     def finish(self, request: GenerationRequest,
-               fetched: dict[int, bytes]) -> tuple[bytes, int, str, int]:
+               fetched: dict[int, bytes]) -> tuple[bytes, int, str, int, tuple]:
         """Prepare every image (cached), check the prompt length, serialise (blocking).
 
         Args:
@@ -214,7 +230,7 @@ class IntakeMiddleware:
             IntakeError: the first bad image, or a prompt over ``max_model_len``.
         """
         crops = request.num_crops or self.default_num_crops
-        sizes = []
+        sizes, described = [], []
         for k, ref in enumerate(request.images):
             payload = None if k in fetched else data_url_payload(
                 ref.url, self.image_policy.max_bytes, ref.param)
@@ -227,17 +243,29 @@ class IntakeMiddleware:
                 self.cache.put(key, image)
             ref.set_url(image.url)
             sizes.append((image.width, image.height))
+            if self.log_content:
+                raw = fetched[k] if payload is None else decode_base64(payload, ref.param)
+                described.append({"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(),
+                                  "width": image.width, "height": image.height})
         if self.budget is not None and request.messages is not None:
             self.budget.check(request, sizes)
-        return self.serialize(request, sizes)
+        return self.serialize(request, sizes, described)
 
-    def serialize(self, request: GenerationRequest, sizes) -> tuple[bytes, int, str, int]:
-        """The body forwarded to vLLM, its number of images, its request id and its prompt
+    def serialize(self, request: GenerationRequest, sizes, described: list[dict] = ()
+                  ) -> tuple[bytes, int, str, int, tuple]:
+        """The body forwarded to vLLM, its number of images, its request id, its prompt
         tokens as estimated for admission (:meth:`PromptBudget.estimate`, for the pixel
-        ``sizes`` of its prepared images; 0 without a budget: unknown)."""
+        ``sizes`` of its prepared images; 0 without a budget: unknown) and the tool fields
+        taken out of it (:attr:`GenerationRequest.tools_ignored`). Notes the image tokens
+        for the access record, and with :attr:`log_content` its content (images
+        ``described`` by :meth:`finish`)."""
+        crops = request.num_crops or self.default_num_crops
+        note(image_tokens=sum(image_tokens(w, h, crops) for w, h in sizes))
+        if self.log_content:
+            note(content=request_content(request, described))
         tokens = 0 if self.budget is None else self.budget.estimate(request, sizes)
         return (json.dumps(request.body).encode(), len(request.images), request.request_id,
-                tokens)
+                tokens, request.tools_ignored)
 
 
 def unique_request_id_header(scope: Scope) -> tuple[Scope, str | None]:
@@ -299,9 +327,32 @@ def new_request_id(prefix: str = "") -> str:
 
 def echo_request_id(channel: ResponseChannel, request_id: str) -> None:
     """Add ``X-Request-Id: <request_id>`` to the response head (a head hook on ``channel``),
-    so a client finds the unique id its request ran under."""
-    def echo(message: Message) -> Message:
-        headers = [(k, v) for k, v in message.get("headers") or []
-                   if k.lower() != REQUEST_ID_HEADER]
-        return {**message, "headers": [*headers, (REQUEST_ID_HEADER, request_id.encode())]}
-    channel.on_head(echo)
+    so a client finds the unique id its request ran under; the access record has the same."""
+    note(request_id=request_id)
+    channel.on_head(_add_header(REQUEST_ID_HEADER, request_id.encode()))
+
+
+def _add_header(name: bytes, value: bytes):
+    """A head hook that sets the response header ``name`` (lower case) to ``value``, in place
+    of any the app sent."""
+    def add(message: Message) -> Message:
+        headers = [(k, v) for k, v in message.get("headers") or [] if k.lower() != name]
+        return {**message, "headers": [*headers, (name, value)]}
+    return add
+
+
+def request_content(request: GenerationRequest, images: list[dict]) -> dict:
+    """What a request asks, for its access record (``--enable-log-requests`` only): each
+    message's role and text (its text parts joined by newlines), or a completions prompt as
+    sent, and its ``images`` as :meth:`IntakeMiddleware.finish` described them (bytes,
+    SHA-256, pixel size), never their bytes."""
+    if request.messages is None:
+        return {"prompt": request.body.get(request.prompt_field), "images": images}
+    messages = []
+    for message in request.messages:
+        content = message.get("content")
+        text = content if isinstance(content, str) else "\n".join(
+            p.get("text", "") for p in content or () if isinstance(p, dict)
+            and p.get("type") == "text")
+        messages.append({"role": message.get("role"), "text": text})
+    return {"messages": messages, "images": images}

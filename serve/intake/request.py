@@ -2,8 +2,9 @@
 
 vLLM validates sampling parameters itself (400 naming ``param``); this layer adds what it lets
 through or answers badly: message structure (roles, ``content: null``, malformed parts, images
-outside user turns), the image count, the ``n`` policy, per-request ``num_crops``, and the
-neutralisation of Phi-3 control sequences typed by users.
+outside user turns), the image count, the ``n`` policy, per-request ``num_crops``, tool calling
+(``--tools``: :func:`check_tools`, :func:`check_tool_turn`), and the neutralisation of Phi-3
+control sequences typed by users.
 
 **Control sequences.** Phi-3's chat format is plain text with special tokens (``<|user|>``,
 ``<|end|>``, ``<|assistant|>``, ...), and vLLM's Phi-3-vision path turns any ``<|image_N|>`` in
@@ -14,6 +15,7 @@ but no longer tokenises to a special token or matches the image-placeholder patt
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass
@@ -34,11 +36,14 @@ class RequestLimits:
         max_images: most images in one request (over all turns).
         max_n: most choices (``n``) per request.
         max_num_crops: highest per-request ``mm_processor_kwargs.num_crops``.
+        tools: what becomes of tool calling in a request (``--tools``; :func:`check_tools`):
+            ``refuse``, ``ignore`` or ``pass``.
     """
 
     max_images: int
     max_n: int = 1
     max_num_crops: int = 16
+    tools: str = "refuse"
 
 
 @dataclass
@@ -109,6 +114,9 @@ class GenerationRequest:
     default_max_tokens: bool = False
     #: The id vLLM names the response after, echoed in ``X-Request-Id`` (set by the intake).
     request_id: str = ""
+    #: The tool fields ``--tools ignore`` took out of the body (:func:`check_tools`), named in
+    #: the response header ``X-Tools-Ignored``.
+    tools_ignored: tuple[str, ...] = ()
 
     @property
     def has_urls_to_fetch(self) -> bool:
@@ -261,13 +269,21 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise IntakeError(400, "messages must be a non-empty list", "messages")
-    check_common(body, limits)
+    ignored = check_common(body, limits)
     images: list[ImageRef] = []
+    prompt: list[dict] = []  # the messages as the prompt-length check counts them
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise IntakeError(400, "each message must be an object", f"messages[{i}]")
-        role = check_role(message, ROLES, f"messages[{i}]")
+        calls = check_tool_turn(message, f"messages[{i}]", limits.tools)
+        role = check_role(message, ROLES + (("tool",) if limits.tools == "pass" else ()),
+                          f"messages[{i}]")
         content = message.get("content")
+        if content is None and calls:
+            # An assistant turn that only calls tools (--tools pass): counted as its calls.
+            prompt.append({"role": role, "content": json.dumps(calls)})
+            continue
+        prompt.append(message)
         if isinstance(content, str):
             message["content"] = neutralise(content)
         elif isinstance(content, list):
@@ -280,7 +296,8 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
             raise IntakeError(400, "content must be a string or a list of parts (null is not "
                               "accepted)", f"messages[{i}].content")
     check_image_count(images, limits)
-    return GenerationRequest(body, images, check_num_crops(body, limits), messages)
+    return GenerationRequest(body, images, check_num_crops(body, limits), prompt,
+                             tools_ignored=ignored)
 
 
 #: Longest client-chosen request id (header ``X-Request-Id`` or body ``request_id``), characters.
@@ -312,11 +329,15 @@ REFUSED_FIELDS = ("media_io_kwargs", "chat_template", "chat_template_kwargs")
 ANSWER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
-def check_common(body: dict, limits: RequestLimits) -> None:
+def check_common(body: dict, limits: RequestLimits) -> tuple[str, ...]:
     """Checks every generation route shares: valid Unicode and finite numbers everywhere
-    (:func:`check_values`), none of :data:`REFUSED_FIELDS`, no tools, ``n``, the answer-length
-    fields (integers of at least 1, each named in its error) and a client-chosen
-    ``request_id`` (made unique in place, see :func:`check_request_id`).
+    (:func:`check_values`), none of :data:`REFUSED_FIELDS`, the tools policy
+    (:func:`check_tools`), ``n``, the answer-length fields (integers of at least 1, each named
+    in its error) and a client-chosen ``request_id`` (made unique in place, see
+    :func:`check_request_id`).
+
+    Returns:
+        the tool fields taken out of the body (``--tools ignore``).
 
     Raises:
         IntakeError: 400 naming the field.
@@ -325,10 +346,7 @@ def check_common(body: dict, limits: RequestLimits) -> None:
     for name in REFUSED_FIELDS:
         if body.get(name) is not None:
             raise IntakeError(400, f"{name} is not accepted by this server", name)
-    tool_choice = body.get("tool_choice")
-    if body.get("tools") or tool_choice not in (None, "none"):
-        raise IntakeError(400, "tools are not supported: Phi-3-vision has no tool-call format",
-                          "tools" if body.get("tools") else "tool_choice")
+    ignored = check_tools(body, limits.tools)
     n = body.get("n", 1)
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1
                           or n > limits.max_n):
@@ -342,6 +360,86 @@ def check_common(body: dict, limits: RequestLimits) -> None:
                                   or value < 1):
             raise IntakeError(400, f"{field} must be an integer of at least 1; got {value!r}",
                               field)
+    return ignored
+
+
+# --- tool calling (--tools) ------------------------------------------------------------------
+#: Body fields that ask for tool calling, over the generation protocols: chat's and the
+#: Responses API's (``max_tool_calls`` is the Responses API's only), and chat's legacy
+#: ``functions`` / ``function_call``.
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "max_tool_calls", "functions",
+               "function_call")
+#: Of :data:`TOOL_FIELDS`, those that offer tools or ask for a call: refused under
+#: ``--tools refuse`` when set (a list of at least one tool; a choice other than ``none``).
+#: The others change nothing without tools and pass.
+TOOL_REQUESTS = ("tools", "functions", "tool_choice", "function_call")
+#: Values of ``tool_choice`` / ``function_call`` that ask for no call.
+NO_CALL = (None, "none")
+#: Why tool calling is refused (``--tools`` refuse and ignore).
+NO_TOOL_FORMAT = "Phi-3-vision has no tool-call format"
+
+
+def check_tools(body: dict, policy: str) -> tuple[str, ...]:
+    """Apply the tools policy (``--tools``) to a request's :data:`TOOL_FIELDS`.
+
+    - ``refuse``: a :data:`TOOL_REQUESTS` field that offers tools (``tools`` or ``functions``
+      not empty) or asks for a call (``tool_choice`` or ``function_call`` other than
+      ``none``) is a 400 naming it. ``tool_choice: "none"``, ``parallel_tool_calls`` and
+      ``max_tool_calls`` alone ask for nothing and pass (vLLM ignores them without tools; an
+      empty ``tools`` is vLLM's own 400).
+    - ``ignore``: every tool field the body sets (not null) is taken out; the request is
+      served as if the client had sent none of them.
+    - ``pass``: the body is left as it is, for vLLM (a chat template and
+      ``--tool-call-parser`` that support tools).
+
+    Returns:
+        the fields taken out (``ignore``), in :data:`TOOL_FIELDS` order; else empty.
+
+    Raises:
+        IntakeError: 400 naming the field (``refuse``).
+    """
+    if policy == "pass":
+        return ()
+    if policy == "ignore":
+        dropped = tuple(name for name in TOOL_FIELDS if body.get(name) is not None)
+        for name in dropped:
+            del body[name]
+        return dropped
+    for name in TOOL_REQUESTS:
+        value = body.get(name)
+        if value not in NO_CALL and value != []:
+            raise IntakeError(400, f"tools are not supported: {NO_TOOL_FORMAT}; send the "
+                              f"request without {name}", name)
+    return ()
+
+
+def check_tool_turn(message: dict, where: str, policy: str) -> list | dict | None:
+    """A chat message's tool calls: a ``tool`` (or legacy ``function``) message carrying a
+    tool's result, or an assistant message with ``tool_calls`` (or a legacy
+    ``function_call``). Under ``--tools pass`` they go to vLLM as they are; under
+    ``refuse`` and ``ignore`` they are a 400: the model cannot read them, and dropping turns
+    would change the conversation the client sent (a conversation with this model alone has
+    none: it never calls a tool). Empty ``tool_calls`` (``[]``, null) are no calls.
+
+    Returns:
+        the message's calls (``tool_calls`` or ``function_call``) under ``pass``, or None;
+        an assistant message with calls may have null ``content``.
+
+    Raises:
+        IntakeError: 400 naming ``<where>.role`` or ``<where>.tool_calls``.
+    """
+    role = message.get("role")
+    calls = message.get("tool_calls") or message.get("function_call")
+    if policy == "pass":
+        return calls if role == "assistant" else None
+    if role in ("tool", "function"):
+        raise IntakeError(400, f"tool results cannot be sent to this model: {NO_TOOL_FORMAT}",
+                          f"{where}.role")
+    if calls:
+        field = "tool_calls" if message.get("tool_calls") else "function_call"
+        raise IntakeError(400, f"tool calls cannot be sent to this model: {NO_TOOL_FORMAT}; "
+                          "send the assistant's text only", f"{where}.{field}")
+    return None
 
 
 def check_image_count(images: list[ImageRef], limits: RequestLimits) -> None:
@@ -362,5 +460,6 @@ def parse_completion_request(body: Any, limits: RequestLimits) -> GenerationRequ
     """
     if not isinstance(body, dict):
         raise IntakeError(400, "request body must be a JSON object")
-    check_common(body, limits)
-    return GenerationRequest(body, [], None, None, ("max_tokens",), "prompt")
+    ignored = check_common(body, limits)
+    return GenerationRequest(body, [], None, None, ("max_tokens",), "prompt",
+                             tools_ignored=ignored)

@@ -16,18 +16,25 @@ inside an output message (an assistant item with ``id`` and ``status``, as the S
 it), else ``input_text`` (vLLM refuses ``output_text`` in the short form, and cannot render a
 ``refusal`` part at all).
 
-Refused with a 400 naming the field: other item types (tool calls and their outputs,
-reasoning items) and ``tools`` (Phi-3-vision has no tool or reasoning format),
-``input_image.file_id`` and ``input_file`` (this server stores no files), images outside user
-messages, and ``previous_response_id`` (vLLM's response store is off by default).
+Tool calling follows ``--tools`` (``serve.intake.request.check_tools``): ``tools`` and
+``tool_choice`` are refused, dropped or passed on as in chat, and the items of a tool call
+(``function_call``, ``function_call_output``) are passed on as they are under ``pass`` and
+refused otherwise (the model cannot read them).
+
+Refused with a 400 naming the field: other item types (reasoning items: Phi-3-vision has no
+reasoning format), ``input_image.file_id`` and ``input_file`` (this server stores no files),
+images outside user messages, and ``previous_response_id`` (vLLM's response store is off by
+default).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from serve.intake.errors import IntakeError
 from serve.intake.request import (
+    NO_TOOL_FORMAT,
     GenerationRequest,
     ImageRef,
     RequestLimits,
@@ -44,6 +51,8 @@ from serve.intake.request import (
 #: (vLLM maps ``developer`` to the system turn of the chat template).
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text")
+#: Input items of a tool call: the model's call and the tool's result (the field counted).
+TOOL_ITEMS = {"function_call": "arguments", "function_call_output": "output"}
 
 
 def _text(part: dict, where: str, output_message: bool) -> str:
@@ -78,11 +87,27 @@ def _image(part: dict, role: str, where: str) -> ImageRef:
     return ImageRef(part, where, url, as_string=True)
 
 
-def _message(item: Any, where: str, images: list[ImageRef]) -> dict:
-    """One input message item checked in place; returns it as a chat message for counting."""
+def _tool_item(item: dict, where: str, tools: str) -> dict:
+    """A tool-call input item (:data:`TOOL_ITEMS`), passed on as it is under ``--tools pass``
+    (returned as a chat message for counting: its arguments or output as text), else a 400
+    naming ``<where>.type``."""
+    kind = item["type"]
+    if tools != "pass":
+        raise IntakeError(400, f"{kind} items cannot be sent to this model: {NO_TOOL_FORMAT}",
+                          f"{where}.type")
+    text = item.get(TOOL_ITEMS[kind])
+    return {"role": "assistant" if kind == "function_call" else "tool",
+            "content": text if isinstance(text, str) else json.dumps(text)}
+
+
+def _message(item: Any, where: str, images: list[ImageRef], tools: str = "refuse") -> dict:
+    """One input message item checked in place; returns it as a chat message for counting.
+    ``tools``: the ``--tools`` policy (:func:`_tool_item`)."""
     if not isinstance(item, dict):
         raise IntakeError(400, "each input item must be an object", where)
     kind = item.get("type", "message")
+    if kind in TOOL_ITEMS:
+        return _tool_item(item, where, tools)
     if kind != "message":
         raise IntakeError(400, f"input item type {kind!r} is not supported; send messages "
                           "(role and content)", f"{where}.type")
@@ -123,7 +148,7 @@ def parse_responses_request(body: Any, limits: RequestLimits) -> GenerationReque
     """
     if not isinstance(body, dict):
         raise IntakeError(400, "request body must be a JSON object")
-    check_common(body, limits)
+    ignored = check_common(body, limits)
     if body.get("previous_response_id") is not None:
         raise IntakeError(400, "previous_response_id is not supported (responses are not "
                           "stored); send the conversation in input", "previous_response_id")
@@ -140,10 +165,11 @@ def parse_responses_request(body: Any, limits: RequestLimits) -> GenerationReque
         body["input"] = neutralise(data)
         messages.append({"role": "user", "content": body["input"]})
     elif isinstance(data, list) and data:
-        messages += [_message(item, f"input[{i}]", images) for i, item in enumerate(data)]
+        messages += [_message(item, f"input[{i}]", images, limits.tools)
+                     for i, item in enumerate(data)]
     else:
         raise IntakeError(400, "input must be a string or a non-empty list of messages",
                           "input")
     check_image_count(images, limits)
     return GenerationRequest(body, images, check_num_crops(body, limits), messages,
-                             ("max_output_tokens",), "input")
+                             ("max_output_tokens",), "input", tools_ignored=ignored)

@@ -29,13 +29,15 @@ class Intake:
     budget: PromptBudget | None = None
     #: The process pool images are prepared in (``--image-workers``); None: worker threads.
     workers: ImageWorkers | None = None
+    #: Access records carry the request's content (``--enable-log-requests``, ``serve.logs``).
+    log_content: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Intake":
         s = settings.resolved()
         return cls(
             RequestLimits(max_images=s.max_images_per_prompt, max_n=s.max_n,
-                          max_num_crops=s.max_num_crops),
+                          max_num_crops=s.max_num_crops, tools=s.tools),
             ImagePolicy(s.max_image_bytes, s.max_image_pixels,
                         frozenset(f.upper() for f in s.image_formats)),
             UrlPolicy(enabled=s.image_urls,
@@ -47,13 +49,14 @@ class Intake:
                       total_timeout_s=s.image_url_timeout_s,
                       max_redirects=s.image_url_max_redirects),
             ImageCache(s.image_cache_bytes), s.num_crops, s.default_max_tokens,
-            workers=ImageWorkers(s.image_workers) if s.image_workers else None)
+            workers=ImageWorkers(s.image_workers) if s.image_workers else None,
+            log_content=s.enable_log_requests)
 
     def wrap(self, app) -> IntakeMiddleware:
         """``app`` behind the intake (call :meth:`load_budget` first)."""
         return IntakeMiddleware(app, self.limits, self.images, self.urls, self.budget,
                                 self.cache, self.default_num_crops, self.default_max_tokens,
-                                self.workers)
+                                self.workers, self.log_content)
 
     async def load_budget(self, engine, settings: Settings) -> None:
         """Attach the prompt-length check, with the engine's tokenizer and context length."""

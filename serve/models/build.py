@@ -33,6 +33,10 @@ from this repository.
 Builds are idempotent: a directory whose ``.build_stamp.json`` matches the
 request (size, seed, builder sources) is left alone unless ``force``; a new
 build is written to a temporary sibling and renamed into place.
+
+A build shows its progress on stderr (tqdm): its steps done of the total (config
+files, tokenizer, random weights tensor by tensor, saving them, the swap into
+place), with the step running now.
 """
 
 from __future__ import annotations
@@ -285,18 +289,22 @@ def tiny_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_weights(config: dict, seed: int = 0) -> dict:
+def random_weights(config: dict, seed: int = 0, progress: bool = False) -> dict:
     """Seeded random float32 tensors for :func:`tiny_weight_shapes`.
 
     Matrices, embeddings and separators: normal(0, 0.02); norm weights: 1;
     biases: 0. Generated in sorted-name order from ``torch.Generator(seed)``,
-    so the same seed gives bit-identical weights.
+    so the same seed gives bit-identical weights. ``progress``: a bar of the
+    tensors done on stderr, removed when done.
     """
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, shape in sorted(tiny_weight_shapes(config).items()):
+    items = sorted(tiny_weight_shapes(config).items())
+    if progress:
+        items = _bar(items, desc="random weights", unit="tensor", leave=False)
+    for name, shape in items:
         leaf = name.rsplit(".", 1)[-1]
         is_norm = "norm" in name or "layrnorm" in name
         if leaf == "bias":
@@ -307,6 +315,13 @@ def random_weights(config: dict, seed: int = 0) -> dict:
             t = torch.empty(shape).normal_(0.0, 0.02, generator=gen)
         out[name] = t.contiguous()
     return out
+
+
+def _bar(iterable=None, **kwargs):
+    """A tqdm progress bar on stderr (tqdm's defaults otherwise)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, file=sys.stderr, **kwargs)
 
 
 def _source_digest() -> str:
@@ -394,25 +409,32 @@ def build(size: str, out: str | Path, seed: int = 0, force: bool = False,
              "sources": _source_digest()}
     config = model_config(size)
 
-    def add_weights(tmp: Path) -> None:
-        tok.save_tokenizer(tmp, model_max_length=config["max_position_embeddings"])
-        if size == "tiny":
-            from safetensors.torch import save_file
+    weights: dict = {}
 
-            save_file(random_weights(config, seed), str(tmp / WEIGHTS_FILE),
-                      metadata={"format": "pt"})
+    def save_weights(tmp: Path) -> None:
+        from safetensors.torch import save_file
 
-    if _write_model_dir(out, stamp, config, num_crops, force, add_weights):
+        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        weights.clear()
+
+    steps = [("tokenizer", lambda tmp: tok.save_tokenizer(
+        tmp, model_max_length=config["max_position_embeddings"]))]
+    if size == "tiny":
+        steps += [("random weights", lambda tmp: weights.update(random_weights(config, seed,
+                                                                               progress=True))),
+                  (f"saving {WEIGHTS_FILE}", save_weights)]
+    if _write_model_dir(out, stamp, config, num_crops, force, steps, f"{size} model"):
         log.info("built %s model at %s", size, out)
     return out
 
 
 def _write_model_dir(out: Path, stamp: dict, config: dict, num_crops: int, force: bool,
-                     add_files) -> bool:
+                     steps: list, what: str) -> bool:
     """Stage a model directory next to ``out`` and swap it in; False when already up to date.
 
     Writes config.json, generation_config.json, preprocessor_config.json, our remote code and
-    the build stamp; ``add_files(tmp)`` adds the rest (tokenizer, weights or links).
+    the build stamp; ``steps`` (``(name, fn)`` pairs, ``fn(tmp)``) add the rest (tokenizer,
+    weights or links). A progress bar on stderr, ``building WHAT``, counts the steps.
     """
     if not force and _read_stamp(out) == stamp:
         log.info("%s is up to date (%s)", out, stamp)
@@ -420,14 +442,25 @@ def _write_model_dir(out: Path, stamp: dict, config: dict, num_crops: int, force
     _check_replaceable(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def write_configs(tmp: Path) -> None:
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation_config())
         _write_json(tmp / "preprocessor_config.json", preprocessor_config(num_crops))
         _copy_remote_code(tmp)
-        add_files(tmp)
+
+    def finish(tmp: Path) -> None:
         _write_json(tmp / STAMP_FILE, stamp)
         _install(tmp, out)
+
+    steps = [("config files", write_configs), *steps, ("moving into place", finish)]
+    try:
+        with _bar(total=len(steps), desc=f"building {what}", unit="step") as bar:
+            for name, fn in steps:
+                bar.set_postfix_str(name)
+                fn(tmp)
+                bar.update()
+            bar.set_postfix_str("done")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -503,7 +536,8 @@ def prepare_real(weights_dir: str | Path, out_dir: str | Path, force: bool = Fal
         for name in links:
             os.symlink(rel / name, tmp / name)
 
-    if _write_model_dir(out, stamp, config, num_crops, force, add_links):
+    if _write_model_dir(out, stamp, config, num_crops, force,
+                        [("links to the weights and tokenizer", add_links)], "the real model"):
         log.info("prepared %s from %s", out, src)
     return out
 

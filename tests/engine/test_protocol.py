@@ -81,13 +81,13 @@ async def test_requests_without_max_tokens_get_the_documented_default():
     import json
 
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi there"}]})
-    sent, _, _, _ = await intake(8192).process(body.encode())
+    sent, *_ = await intake(8192).process(body.encode())
     assert json.loads(sent)["max_tokens"] == 500
-    clamped, _, _, _ = await intake(300).process(body.encode())  # the context leaves < 500
+    clamped, *_ = await intake(300).process(body.encode())  # the context leaves < 500
     assert 200 < json.loads(clamped)["max_tokens"] < 300
     own = json.dumps({"model": "m", "max_completion_tokens": 7,
                       "messages": [{"role": "user", "content": "Hi"}]})
-    kept, _, _, _ = await intake(8192).process(own.encode())
+    kept, *_ = await intake(8192).process(own.encode())
     assert "max_tokens" not in json.loads(kept) and json.loads(kept)["max_completion_tokens"] == 7
 
 

@@ -1,8 +1,8 @@
 """Autotuner controller: step response, decreases, bounds, stability, the fits (pure logic).
 
 The rules the ablation removed (cooldown, draining hold, burst grace, overload limit, ITL fit,
-...) lost their tests with them: ``test_simjudge.py`` checks that the README's ablation table
-names each of them with what removing it cost."""
+...) lost their tests with them: ``test_simjudge.py`` checks that the ablation table in
+docs/admission.md names each of them with what removing it cost."""
 
 from __future__ import annotations
 

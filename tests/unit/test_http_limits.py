@@ -192,6 +192,22 @@ async def test_a_head_that_begins_in_the_read_ending_the_last_request_has_its_de
     assert data.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in data, data
 
 
+async def test_more_header_fields_than_the_count_limit_are_431():
+    """``--max-header-count`` (vLLM's ``--h11-max-header-count``): a head with more fields
+    is 431, one at the limit is served."""
+    async with bounded_server(max_header_count=3) as (port, protocol):
+        for fields, status in ((3, b"200"), (4, b"431")):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            head = b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(
+                b"X-%d: v\r\n" % i for i in range(fields - 1))
+            writer.write(head + b"\r\n")
+            await writer.drain()
+            data = await asyncio.wait_for(reader.read(4096), timeout=5)
+            writer.close()
+            assert data.startswith(b"HTTP/1.1 " + status), (fields, data[:80])
+        assert protocol.refused == [431]
+
+
 def test_the_cap_skips_connections_without_a_keep_alive_timer():
     """uvicorn's connection set also holds websocket connections (no keep-alive timer):
     choosing an idle connection to close must pass over them, not raise."""

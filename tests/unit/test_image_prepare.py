@@ -176,8 +176,8 @@ async def test_history_image_is_prepared_once_off_the_event_loop():
                               UrlPolicy(enabled=False), cache=ImageCache(64 * 2**20),
                               default_num_crops=1)
     intake.threads = []
-    first, n1, _, _ = await intake.process(_body(url, 1))
-    third, n3, _, _ = await intake.process(_body(url, 3))
+    first, n1, *_ = await intake.process(_body(url, 1))
+    third, n3, *_ = await intake.process(_body(url, 3))
     assert (n1, n3) == (1, 3)
     assert intake.cache.misses == 1 and intake.cache.hits == 3
     sent = {p["image_url"]["url"] for m in json.loads(third)["messages"]

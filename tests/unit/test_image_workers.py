@@ -14,7 +14,6 @@ import time
 import numpy as np
 import pytest
 from PIL import Image, ImageOps
-from pydantic_settings import CliApp
 
 from serve.intake.budget import image_tokens
 from serve.intake.cache import ImageCache
@@ -91,7 +90,9 @@ def test_image_workers_default_to_none_on_cpu_and_to_the_spare_cores_on_gpu(monk
     assert auto_image_workers("cpu", 1, cores=96) == 0
     assert Settings(device="cuda").resolved().image_workers == auto_image_workers("cuda", 1)
     assert Settings(device="cuda", image_workers=0).resolved().image_workers == 0
-    assert CliApp.run(Settings, cli_args=["--image-workers", "3"]).image_workers == 3
+    from serve.cli import parse_settings
+
+    assert parse_settings(["--image-workers", "3"], environ={}).image_workers == 3
     monkeypatch.setenv("PHI3V_IMAGE_WORKERS", "5")
     assert Settings(device="cpu").resolved().image_workers == 5
     intake = Intake.from_settings(Settings(device="cpu", image_workers=2))

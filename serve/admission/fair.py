@@ -1,0 +1,186 @@
+"""Weighted fair sharing of the admission slots between tenants (:class:`FairQueue`).
+
+The live limit (the autotuner's) says how many requests the engine holds; this module says
+*whose*. Waiting requests sit in one FIFO per tenant, and each slot that frees goes to the
+waiting tenant furthest below its weighted share of the slots in use: the smallest
+``in_flight / weight`` (ties: the earliest arrival). That is weighted max-min fairness by
+progressive filling (Bertsekas & Gallager, *Data Networks*, 2nd ed., section 6.5.2) applied
+to slots, the rule Kubernetes' API Priority and Fairness applies to its concurrency "seats":
+
+- **work-conserving**: a slot is never left free while anyone waits, so a tenant alone uses
+  every slot, beyond its share;
+- **no preemption**: a tenant over its share keeps its running requests; it gives slots back
+  as they finish, because each freed slot goes to the tenant furthest below its share;
+- **weights**: under joint overload tenants hold slots in proportion to their weights, so
+  with requests of equal length they complete in that proportion.
+
+With a single tenant it is exactly the FIFO it replaces. Standard library only: the server's
+limiter (:mod:`serve.admission.limiter`) and the simulator's gate (``bench/sim.py``) share it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+from serve.admission.rules import check as check_rules
+
+T = TypeVar("T")
+
+#: Tenant of requests that carry none (no keys file: one tenant, the FIFO of before).
+DEFAULT_TENANT = "default"
+
+
+class FairQueue(Generic[T]):
+    """Waiting items (one FIFO per tenant) and the slots each tenant holds.
+
+    The caller tells it when a tenant's request takes a slot (:meth:`started`, done by
+    :meth:`pop`) and gives it back (:meth:`finished`); :meth:`head` names whose item is next.
+    Weights are per tenant, > 0, and the latest one given for a tenant counts.
+
+    Args:
+        ablate: rules of :data:`serve.admission.rules.RULES` switched off (benchmarks only):
+            ``fair_below_share``.
+    """
+
+    def __init__(self, ablate: frozenset[str] = frozenset()) -> None:
+        self.ablate = check_rules(ablate)
+        self._queues: dict[str, collections.deque[tuple[int, T]]] = {}
+        self._weights: dict[str, float] = {}
+        self._in_flight: collections.Counter[str] = collections.Counter()
+        self._order = itertools.count()
+        self._pending = 0
+
+    # --- state --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._pending
+
+    def pending(self, tenant: str | None = None) -> int:
+        """Items waiting: all of them, or ``tenant``'s."""
+        if tenant is None:
+            return self._pending
+        queue = self._queues.get(tenant)
+        return len(queue) if queue else 0
+
+    def in_flight(self, tenant: str) -> int:
+        """Slots ``tenant`` holds now."""
+        return self._in_flight[tenant]
+
+    def weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, 1.0)
+
+    def share(self, tenant: str) -> float:
+        """``tenant``'s weighted share (0-1] of the slots among the tenants active now (with
+        a request waiting or running), itself included."""
+        active = {t for t, q in self._queues.items() if q} | {
+            t for t, n in self._in_flight.items() if n > 0} | {tenant}
+        total = sum(self.weight(t) for t in active)
+        return self.weight(tenant) / total
+
+    def position(self, tenant: str) -> int:
+        """Places from the head a request of ``tenant`` queued now is worth, in requests of
+        the whole queue: its tenant's queue, plus the slots it holds beyond its share of
+        those in use, scaled by the tenant's :meth:`share` of the drain (``n`` requests of a
+        tenant holding half the slots wait about as long as ``2n`` of a tenant alone). A
+        tenant alone: its queue length (the FIFO's position)."""
+        share = self.share(tenant)
+        over = max(0.0, self._in_flight[tenant] - share * sum(self._in_flight.values()))
+        return math.ceil((self.pending(tenant) + over) / share)
+
+    def below_share(self, tenant: str) -> bool:
+        """Whether other tenants are active and ``tenant`` holds fewer slots than its share
+        of those in use: the next free slot is its. A tenant alone is never below its
+        share."""
+        share = self.share(tenant)
+        return share < 1.0 and self._in_flight[tenant] < share * sum(self._in_flight.values())
+
+    def ahead(self, tenant: str, ahead: int) -> int:
+        """How many of the ``ahead`` admitted requests still waiting for a batch slot count
+        against ``tenant``'s wait when it is shed or queued: none when it is
+        :meth:`below_share` (the others' load is no reason to refuse the tenant that is next
+        for a slot; their engine queue is bounded by the TTFT target already), else all."""
+        if "fair_below_share" in self.ablate:
+            return ahead
+        return 0 if self.below_share(tenant) else ahead
+
+    def heads(self) -> Iterator[tuple[str, T]]:
+        """Each tenant's first waiting item (the oldest of its FIFO)."""
+        for tenant, queue in self._queues.items():
+            if queue:
+                yield tenant, queue[0][1]
+
+    def items(self) -> Iterator[T]:
+        """Every waiting item, tenant by tenant."""
+        for queue in self._queues.values():
+            for _, item in queue:
+                yield item
+
+    # --- changes ------------------------------------------------------------------------
+    def push(self, tenant: str, item: T, weight: float = 1.0) -> None:
+        """Queue ``item`` at the end of ``tenant``'s FIFO.
+
+        Raises:
+            ValueError: ``weight`` <= 0.
+        """
+        if weight <= 0:
+            raise ValueError(f"tenant weight must be > 0, not {weight}")
+        self._weights[tenant] = weight
+        self._queues.setdefault(tenant, collections.deque()).append((next(self._order), item))
+        self._pending += 1
+
+    def head(self) -> tuple[str, T] | None:
+        """The tenant whose item the next free slot goes to, and that item (not removed);
+        None when nothing waits."""
+        best: tuple[float, int, str] | None = None
+        for tenant, queue in self._queues.items():
+            if queue:
+                key = (self._in_flight[tenant] / self.weight(tenant), queue[0][0], tenant)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            return None
+        return best[2], self._queues[best[2]][0][1]
+
+    def pop(self, tenant: str) -> T:
+        """Remove ``tenant``'s first item and count the slot it takes (:meth:`started`).
+
+        Raises:
+            IndexError: nothing of ``tenant`` waits.
+        """
+        _, item = self._queues[tenant].popleft()
+        self._pending -= 1
+        self.started(tenant)
+        return item
+
+    def remove(self, tenant: str, item: T) -> bool:
+        """Take ``item`` out of ``tenant``'s queue (it left: timeout, cancel). True if it
+        was there."""
+        queue = self._queues.get(tenant)
+        if queue:
+            for entry in queue:
+                if entry[1] is item:
+                    queue.remove(entry)
+                    self._pending -= 1
+                    return True
+        return False
+
+    def drain(self) -> list[T]:
+        """Remove and return every waiting item."""
+        items = list(self.items())
+        for queue in self._queues.values():
+            queue.clear()
+        self._pending = 0
+        return items
+
+    def started(self, tenant: str) -> None:
+        """``tenant`` took a slot (without queueing, or by :meth:`pop`)."""
+        self._in_flight[tenant] += 1
+
+    def finished(self, tenant: str) -> None:
+        """``tenant`` gave a slot back."""
+        self._in_flight[tenant] -= 1
+        if self._in_flight[tenant] <= 0:
+            del self._in_flight[tenant]
