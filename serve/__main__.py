@@ -11,10 +11,13 @@ import os
 import sys
 from pathlib import Path
 
+from serve.accounting import usage_db_path
 from serve.cli import CliError, parse_settings
+from serve.keys import KeyStore
 from serve.logs import configure_logging
 from serve.routes import RouteTable
 from serve.settings import REAL_MODEL_ID, Settings
+from serve.usage import UsageStore
 
 
 def check_model_dir(settings: Settings) -> str | None:
@@ -117,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                or raise_open_file_limit(settings))
     try:
         RouteTable(settings.open_routes)
+        if settings.keys_file is not None:
+            KeyStore(settings.keys_file)  # a clear error now rather than a traceback later
+        UsageStore(usage_db_path(settings)).close()  # likewise for an unwritable --usage-db
     except ValueError as exc:
         problem = str(exc)
     if problem:

@@ -15,16 +15,21 @@ Routes owned here:
   KV-safe capacity computed at boot (``kv_capacity``).
 - ``GET /limits``: the request limits clients must respect (image bytes/pixels/count/formats).
 - ``GET /admin/routes``: every route of vLLM's app with its policy from ``serve.routes``.
+- ``GET /admin/usage``: usage per tenant and UTC day (``serve.accounting``).
 - ``POST /admin/bench/admission`` (only with ``--bench-admin``): set the admission mode
   live and reset the autotuner (benchmarks).
 
 With ``--allowed-origins``, CORS is answered in front of everything, auth included
 (``serve.cors``): a browser's preflight is never a 401.
 
+Auth (``serve.auth``) puts the request's tenant (``serve.tenants``) in the scope; with a keys
+file (``--keys-file``, ``serve.keys``) ``/admin/*`` needs an admin tenant, and SIGHUP reloads
+the file.
+
 Every other path is looked up in the route table (``serve.routes``): generation routes take
-the full request path (body limit -> intake -> admission -> stream guard -> vLLM), read-only
-vLLM routes are served as is, and everything else (administration, scaling, batch, token-level
-and, unless ``--open-routes``, the routes without intake) is 404. With
+the full request path (body limit -> intake -> tenant limits -> admission -> stream guard ->
+vLLM), read-only vLLM routes are served as is, and everything else (administration, scaling,
+batch, token-level and, unless ``--open-routes``, the routes without intake) is 404. With
 ``--otlp-traces-endpoint`` each generation request is traced (``serve.tracing``).
 """
 
@@ -49,10 +54,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve import engine as engine_mod
 from serve import http_metrics
+from serve.accounting import Accounting
 from serve.admission.engine_stats import stalled_s
 from serve.admission.service import Admission
 from serve.asgi import REQUEST_STATE_KEY, BodyLimitMiddleware, response_channel
-from serve.auth import ApiKeys, unauthorized
+from serve.auth import Auth
 from serve.cors import cors_layer
 from serve.errors import ENGINE_LOST, RETRY_AFTER_S, SHUTTING_DOWN, openai_error
 from serve.intake.service import Intake
@@ -123,7 +129,10 @@ class Gateway:
         self._scrape_registry = registry
         self.admission = Admission.from_settings(settings, self.metrics)
         self.intake = Intake.from_settings(settings)
-        self.keys = ApiKeys.load(settings.api_keys, settings.api_key_file)
+        #: Tenant limits and usage (``serve.accounting``, ``serve.quota``, ``serve.usage``).
+        self.accounting = Accounting.from_settings(settings, self.metrics)
+        #: API keys and their tenants (``serve.auth``, ``serve.keys``).
+        self.auth = Auth.from_settings(settings)
         self.routes = RouteTable(settings.open_routes)
         #: OpenTelemetry spans of the request path (``serve.tracing``); None: off.
         self.tracing = Tracing.from_settings(settings)
@@ -137,6 +146,7 @@ class Gateway:
                 Route("/admin/autotuner", self.autotuner_state, methods=["GET"]),
                 Route("/limits", self.limits, methods=["GET"]),
                 Route("/admin/routes", self.route_table, methods=["GET"]),
+                Route("/admin/usage", self.accounting.usage_page, methods=["GET"]),
                 *([Route("/admin/bench/admission", self.bench_admission, methods=["POST"])]
                   if settings.bench_admin else []),
             ],
@@ -163,10 +173,11 @@ class Gateway:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Auth, the route table, then our routes or vLLM's app behind the request layers."""
-        if (scope["type"] == "http" and scope.get("path") not in self._open_paths
-                and not self.keys.permits(scope)):
-            await unauthorized()(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope.get("path") not in self._open_paths:
+            refusal = self.auth.check(scope)  # the tenant, in the scope and the access record
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
         if scope.get("path") in self._own_paths:
             await self.own(scope, receive, send)
             return
@@ -269,7 +280,7 @@ class Gateway:
 
     def curl_example(self) -> str:
         """A copy-pasteable text chat request for the ready line."""
-        auth = " -H 'Authorization: Bearer $PHI3V_API_KEY'" if self.keys.enabled else ""
+        auth = " -H 'Authorization: Bearer $PHI3V_API_KEY'" if self.auth.enabled else ""
         body = json.dumps({"model": self.settings.model_name, "max_tokens": 32,
                            "messages": [{"role": "user", "content": "Hello!"}]})
         return (f"curl -s http://{self.settings.host}:{self.settings.port}/v1/chat/completions"
@@ -335,6 +346,7 @@ class Gateway:
             lambda inner: BodyLimitMiddleware(inner, self.settings.max_request_bytes),
             *spans.intake,
             self.intake.wrap,  # validation, images, prompt length, request ids
+            self.accounting.wrap,  # tenant limits (queued requests count), usage
             *spans.admission,
             # the live max_num_seqs, goodput accounting
             lambda inner: self.admission.wrap(inner, self.state.engine_alive),
@@ -383,11 +395,14 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette):
         log.info("effective settings: %s", json.dumps(engine_mod.effective_settings(self.settings)))
+        self.accounting.start()  # closed last (the exit stack unwinds in reverse): after the drain
+        self._exit_stack.push_async_callback(asyncio.to_thread, self.accounting.close)
         if self.intake.workers is not None:
             # Shut down last (the exit stack unwinds in reverse): after the engine and the drain.
             self._exit_stack.push_async_callback(asyncio.to_thread, self.intake.workers.close)
         if self.tracing is not None:  # after the engine: the last requests' spans leave
             self._exit_stack.push_async_callback(asyncio.to_thread, self.tracing.shutdown)
+        self._exit_stack.callback(self.auth.on_sighup(asyncio.get_running_loop()))
         self._boot_task = asyncio.create_task(self._boot(), name="engine-boot")
         self._boot_task.add_done_callback(_log_failure)
         try:

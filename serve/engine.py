@@ -112,8 +112,11 @@ def build_engine_args(settings: Settings):
 
 
 def effective_settings(settings: Settings) -> dict[str, Any]:
-    """The settings as they take effect (hardware defaults resolved), for the start-up log."""
-    return settings.resolved().model_dump()
+    """The settings as they take effect (hardware defaults resolved), for the start-up log:
+    JSON values (paths as strings), and the API keys as their number, never the keys."""
+    dumped = settings.resolved().model_dump(mode="json")
+    dumped["api_keys"] = f"{len(dumped['api_keys'])} keys (not logged)"
+    return dumped
 
 
 async def start_engine(settings: Settings, stat_loggers: list | None = None) -> "AsyncLLM":

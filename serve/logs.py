@@ -43,6 +43,9 @@ it (:func:`note`), null where it does not apply:
   ``/v1/responses/{response_id}``; ``other`` for a path of no route), ``status`` (the one
   ``phi3v_http_responses_total`` counted: ``499`` when the client left before the answer
   started, ``serve.http_metrics``);
+- ``tenant``: the tenant of the request's API key (``serve.auth``; null for a refused key and
+  the open routes); ``user``: the ``user`` field of a generation request's body as the client
+  sent it (``serve.intake``), from any key;
 - ``reject_reason``: why the gateway refused it: admission's reason (``queue_full``,
   ``queue_timeout``, ``slo``, ``unavailable``: the ``X-Phi3v-Reject-Reason`` header and the
   ``reason`` label of ``phi3v_rejected_requests_total``), or the intake's (the error's code:
@@ -271,7 +274,8 @@ class AccessLog:
         enabled: False: no record at all.
 
     The request's state dict holds what the layers noted: ``request_id``; ``code`` (the
-    counted status, ``serve.http_metrics``) and ``client_left`` (admission);
+    counted status, ``serve.http_metrics``) and ``client_left`` (admission); ``tenant``
+    (auth) and ``user`` (intake);
     ``reject_reason``; ``image_tokens`` and ``content`` (intake); ``queue_wait_s`` and
     ``first_token_s`` (admission, on the monotonic clock). vLLM's usage is read from the
     scope's ``state`` (Starlette's ``request.state``, where vLLM's handlers put
@@ -339,17 +343,18 @@ class AccessLog:
             status = int(code)
         else:
             status = 500 if failed else 499
-        usage = getattr((scope.get("state") or {}).get("request_metadata"),
-                        "final_usage_info", None)
+        prompt_tokens, completion_tokens = vllm_usage(scope)
         first = state.get("first_token_s")
         fields = {
             "request_id": state.get("request_id"),  # as the filter adds it, for any handler
             "method": scope.get("method"),
             "route": self.route_of(scope.get("path", "")),
             "status": status,
+            "tenant": state.get("tenant"),
+            "user": state.get("user"),
             "reject_reason": state.get("reject_reason"),
-            "prompt_tokens": getattr(usage, "prompt_tokens", None),
-            "completion_tokens": getattr(usage, "completion_tokens", None),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
             "image_tokens": state.get("image_tokens"),
             "queue_wait_s": _seconds(state.get("queue_wait_s")),
             "ttft_s": _seconds(first - start if first is not None else None),
@@ -359,6 +364,17 @@ class AccessLog:
         if self.log_content and state.get("content") is not None:
             fields["content"] = state["content"]
         access_log.info("%s %s %s", fields["method"], fields["route"], status, extra=fields)
+
+
+def vllm_usage(scope: Scope) -> tuple[int | None, int | None]:
+    """vLLM's own count of a request's prompt and completion tokens: the usage its chat and
+    completions handlers report on the request's state (``final_usage_info``), streamed or
+    not; (None, None) where it reported none (the Responses API, a client that left before
+    the end). The access record's and the tenant accounting's (``serve.accounting``) one
+    source."""
+    usage = getattr((scope.get("state") or {}).get("request_metadata"), "final_usage_info",
+                    None)
+    return getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None)
 
 
 def _seconds(value: float | None) -> float | None:

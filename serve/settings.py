@@ -371,6 +371,21 @@ class Settings(BaseSettings):
     api_key_file: Path | None = Field(
         None, description="File with one API key per line (# comments), added to --api-keys."
     )
+    keys_file: Path | None = Field(
+        None,
+        description="Keys file (JSON, managed with `python -m serve.keys`): API keys stored as "
+        "hashes, each of a tenant with its weight, limits and flags (trusted front end, "
+        "admin). Reloaded within a second of a change and on SIGHUP; a file that does not "
+        "load keeps the keys in force. --api-keys and --api-key-file keys still work, as "
+        "tenant 'default'.",
+    )
+    usage_db: Path | None = Field(
+        None,
+        description="SQLite file of per-tenant usage per UTC day (GET /admin/usage; the day "
+        "and month token budgets start from it after a restart), written in batches every "
+        "second. Default: usage.sqlite3 next to --keys-file when one is given, else kept in "
+        "memory (lost at restart); ':memory:' keeps it in memory.",
+    )
     open_routes: list[str] = Field(
         [],
         description="vLLM routes closed by default to serve as vLLM answers them, without "

@@ -1,11 +1,16 @@
 """The UI's only way to the model: the API's HTTP surface, as any client uses it.
 
 - ``GET /limits``: the server's image limits (:class:`ServerLimits`), cached for
-  ``limits_ttl_s``; the one source of the numbers the UI enforces.
+  ``limits_ttl_s``; the one source of the numbers the UI enforces. Asked at the API, or at
+  the first of ``limits_urls`` that answers (replicas behind vllm-router, which forwards only
+  the OpenAI routes).
 - ``POST /v1/chat/completions`` with ``stream: true``: :meth:`ApiClient.stream_chat` yields
-  content tokens and the final usage. Leaving the ``async for`` early (the user pressed Stop:
-  the Chainlit task is cancelled) exits the ``httpx`` stream context, which closes the
-  connection; the API then aborts the request in vLLM and frees its KV cache.
+  content tokens and the final usage. Each request names the logged-in user in OpenAI's
+  ``user`` field (:func:`api_user`): with the UI's key a trusted front end of the API's keys
+  file, the API shares the UI's capacity fairly among its users and accounts usage per user.
+  Leaving the ``async for`` early (the user pressed Stop: the Chainlit task is cancelled)
+  exits the ``httpx`` stream context, which closes the connection; the API then aborts the
+  request in vLLM and frees its KV cache.
 
 Every failure raises :class:`ui.errors.ApiError` with a message ready for the chat.
 No Chainlit import: unit-tested in the main test environment.
@@ -13,8 +18,10 @@ No Chainlit import: unit-tested in the main test environment.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,6 +30,21 @@ import httpx
 from ui import errors
 from ui.errors import ApiError
 from ui.settings import UISettings
+
+#: The header vllm-router's consistent hash reads first (``deploy/replicas.py``): the UI sends
+#: the conversation's id in it, so a conversation's turns reach the replica holding its images.
+SESSION_HEADER = "X-Session-ID"
+#: Longest ``user`` the API accepts (its intake refuses more with a 400), characters.
+MAX_USER_CHARS = 256
+
+
+def api_user(identifier: str) -> str:
+    """The ``user`` sent for a logged-in user: the UI's user identifier, or, for one longer
+    than the API accepts, ``sha256:`` and its hex digest (stable, so fairness and usage still
+    count it as one user)."""
+    if len(identifier) <= MAX_USER_CHARS:
+        return identifier
+    return "sha256:" + hashlib.sha256(identifier.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -98,30 +120,54 @@ class ApiClient:
         fresh = time.monotonic() - self._limits_at < self.settings.limits_ttl_s
         if self._limits is not None and fresh and not refresh:
             return self._limits
+        error: ApiError | None = None
+        # The first that answers: behind a router, which answers only the OpenAI routes,
+        # ``limits_urls`` lists the replicas.
+        for base in [u.rstrip("/") for u in self.settings.limits_urls] or [self.base_url]:
+            try:
+                self._limits = await self._fetch_limits(base)
+            except ApiError as exc:
+                error = exc
+                continue
+            self._limits_at = time.monotonic()
+            return self._limits
+        raise error
+
+    async def _fetch_limits(self, base: str) -> ServerLimits:
+        """``GET {base}/limits``. Raises :class:`ApiError`."""
         try:
-            r = await self._http.get("/limits", timeout=self.settings.connect_timeout_s)
+            r = await self._http.get(f"{base}/limits", timeout=self.settings.connect_timeout_s)
         except httpx.TransportError as exc:
-            raise errors.from_transport(exc, self.base_url, self.settings.read_timeout_s
-                                        ) from exc
+            raise errors.from_transport(exc, base, self.settings.read_timeout_s) from exc
         if r.status_code != 200:
             raise errors.from_response(r.status_code, r.content, r.headers)
         try:
-            self._limits = ServerLimits.from_json(r.json())
+            return ServerLimits.from_json(r.json())
         except (KeyError, TypeError, ValueError) as exc:
-            raise ApiError(f"The API at {self.base_url} answered GET /limits with something "
+            raise ApiError(f"The API at {base} answered GET /limits with something "
                            f"unexpected ({exc!r}); is it this project's server?") from exc
-        self._limits_at = time.monotonic()
-        return self._limits
 
-    async def stream_chat(self, body: dict) -> AsyncIterator[Token | Usage | Finish]:
-        """Stream one chat completion (``body`` without ``stream``). Raises :class:`ApiError`.
+    async def stream_chat(self, body: dict, user: str | None = None,
+                          conversation: str | None = None
+                          ) -> AsyncIterator[Token | Usage | Finish]:
+        """Stream one chat completion (``body`` without ``stream``) for the logged-in
+        ``user`` (its identifier, sent as ``user``: :func:`api_user`) in ``conversation``
+        (its id, sent as :data:`SESSION_HEADER`: a router keeps the conversation on one
+        replica). Each request carries a new ``X-Request-Id``, the id the API's and the
+        router's answers and the API's logs use. Raises :class:`ApiError`.
 
         Breaking out of the iteration, or cancelling the task consuming it, closes the HTTP
         connection, which makes the server abort the generation.
         """
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        if user:
+            body["user"] = api_user(user)
         try:
-            async with self._http.stream("POST", "/v1/chat/completions", json=body) as r:
+            headers = {"X-Request-Id": f"ui-{uuid.uuid4().hex}"}
+            if conversation:
+                headers[SESSION_HEADER] = conversation
+            async with self._http.stream("POST", "/v1/chat/completions", json=body,
+                                         headers=headers) as r:
                 if r.status_code != 200:
                     raise errors.from_response(r.status_code, await r.aread(), r.headers)
                 async for line in r.aiter_lines():

@@ -188,7 +188,8 @@ async def stream_answer(body: dict, conversation: Conversation) -> None:
     msg = cl.Message(content="")
     stats = AnswerStats()
     try:
-        async for event in api.stream_chat(body):
+        async for event in api.stream_chat(body, user=cl.context.session.user.identifier,
+                                           conversation=cl.context.session.thread_id):
             if isinstance(event, Token):
                 stats.on_token()
                 await msg.stream_token(event.text)

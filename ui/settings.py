@@ -79,6 +79,12 @@ class UISettings(BaseSettings):
         "UI closes an idle connection before the API does and never reuses one the API is "
         "closing (deploy/: tested).",
     )
+    limits_urls: list[str] = Field(
+        [],
+        description="Base URLs asked for GET /limits, the first that answers, when the API "
+        "base URL is a router that does not forward it (vllm-router answers only the OpenAI "
+        "routes): the replicas, or a Service over them (a JSON list). Empty: the API base URL.",
+    )
     limits_ttl_s: float = Field(
         30.0, ge=0, description="Seconds GET /limits stays cached before it is asked again."
     )

@@ -14,8 +14,11 @@ to slots, the rule Kubernetes' API Priority and Fairness applies to its concurre
 - **weights**: under joint overload tenants hold slots in proportion to their weights, so
   with requests of equal length they complete in that proportion.
 
-With a single tenant it is exactly the FIFO it replaces. Standard library only: the server's
-limiter (:mod:`serve.admission.limiter`) and the simulator's gate (``bench/sim.py``) share it.
+Within a tenant whose requests name their end users (a trusted front end such as the chat UI,
+``serve.tenants``), the tenant's slots are shared the same way among its users, with equal
+weights. With a single tenant and no users it is exactly the FIFO it replaces. Standard
+library only: the server's limiter (:mod:`serve.admission.limiter`) and the simulator's gate
+(``bench/sim.py``) share it.
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ DEFAULT_TENANT = "default"
 
 
 class FairQueue(Generic[T]):
-    """Waiting items (one FIFO per tenant) and the slots each tenant holds.
+    """Waiting items (one FIFO per tenant, or per tenant and user) and the slots each holds.
 
-    The caller tells it when a tenant's request takes a slot (:meth:`started`, done by
-    :meth:`pop`) and gives it back (:meth:`finished`); :meth:`head` names whose item is next.
-    Weights are per tenant, > 0, and the latest one given for a tenant counts.
+    The caller tells it when a request takes a slot (:meth:`started`, done by :meth:`pop`)
+    and gives it back (:meth:`finished`); :meth:`head` names whose item is next. Weights are
+    per tenant, > 0, and the latest one given for a tenant counts. ``user`` (None: none
+    named) splits a tenant's share among its users.
 
     Args:
         ablate: rules of :data:`serve.admission.rules.RULES` switched off (benchmarks only):
@@ -48,9 +52,12 @@ class FairQueue(Generic[T]):
 
     def __init__(self, ablate: frozenset[str] = frozenset()) -> None:
         self.ablate = check_rules(ablate)
-        self._queues: dict[str, collections.deque[tuple[int, T]]] = {}
+        #: tenant -> user -> FIFO of (arrival order, item)
+        self._queues: dict[str, dict[str | None, collections.deque[tuple[int, T]]]] = {}
         self._weights: dict[str, float] = {}
         self._in_flight: collections.Counter[str] = collections.Counter()
+        self._user_in_flight: collections.Counter[tuple[str, str | None]] = \
+            collections.Counter()
         self._order = itertools.count()
         self._pending = 0
 
@@ -62,12 +69,13 @@ class FairQueue(Generic[T]):
         """Items waiting: all of them, or ``tenant``'s."""
         if tenant is None:
             return self._pending
-        queue = self._queues.get(tenant)
-        return len(queue) if queue else 0
+        return sum(len(q) for q in self._queues.get(tenant, {}).values())
 
-    def in_flight(self, tenant: str) -> int:
-        """Slots ``tenant`` holds now."""
-        return self._in_flight[tenant]
+    def in_flight(self, tenant: str, user: str | None = None) -> int:
+        """Slots ``tenant`` holds now (``user``'s of them, when given)."""
+        if user is None:
+            return self._in_flight[tenant]
+        return self._user_in_flight[tenant, user]
 
     def weight(self, tenant: str) -> float:
         return self._weights.get(tenant, 1.0)
@@ -75,7 +83,7 @@ class FairQueue(Generic[T]):
     def share(self, tenant: str) -> float:
         """``tenant``'s weighted share (0-1] of the slots among the tenants active now (with
         a request waiting or running), itself included."""
-        active = {t for t, q in self._queues.items() if q} | {
+        active = {t for t in self._queues if self.pending(t)} | {
             t for t, n in self._in_flight.items() if n > 0} | {tenant}
         total = sum(self.weight(t) for t in active)
         return self.weight(tenant) / total
@@ -107,20 +115,23 @@ class FairQueue(Generic[T]):
         return 0 if self.below_share(tenant) else ahead
 
     def heads(self) -> Iterator[tuple[str, T]]:
-        """Each tenant's first waiting item (the oldest of its FIFO)."""
-        for tenant, queue in self._queues.items():
-            if queue:
-                yield tenant, queue[0][1]
+        """The first waiting item of each FIFO (tenant, or tenant and user): the oldest of
+        it."""
+        for tenant, users in self._queues.items():
+            for queue in users.values():
+                if queue:
+                    yield tenant, queue[0][1]
 
     def items(self) -> Iterator[T]:
         """Every waiting item, tenant by tenant."""
-        for queue in self._queues.values():
-            for _, item in queue:
-                yield item
+        for users in self._queues.values():
+            for queue in users.values():
+                for _, item in queue:
+                    yield item
 
     # --- changes ------------------------------------------------------------------------
-    def push(self, tenant: str, item: T, weight: float = 1.0) -> None:
-        """Queue ``item`` at the end of ``tenant``'s FIFO.
+    def push(self, tenant: str, item: T, weight: float = 1.0, user: str | None = None) -> None:
+        """Queue ``item`` at the end of ``tenant``'s (``user``'s) FIFO.
 
         Raises:
             ValueError: ``weight`` <= 0.
@@ -128,38 +139,49 @@ class FairQueue(Generic[T]):
         if weight <= 0:
             raise ValueError(f"tenant weight must be > 0, not {weight}")
         self._weights[tenant] = weight
-        self._queues.setdefault(tenant, collections.deque()).append((next(self._order), item))
+        users = self._queues.setdefault(tenant, {})
+        users.setdefault(user, collections.deque()).append((next(self._order), item))
         self._pending += 1
+
+    def _next_user(self, tenant: str) -> str | None:
+        """Whose FIFO of ``tenant`` the tenant's next slot goes to: the user holding fewest
+        of the tenant's slots (ties: the earliest arrival). Raises KeyError if none waits."""
+        best = min((self._user_in_flight[tenant, user], queue[0][0], user is None, user or "")
+                   for user, queue in self._queues[tenant].items() if queue)
+        return None if best[2] else best[3]
 
     def head(self) -> tuple[str, T] | None:
         """The tenant whose item the next free slot goes to, and that item (not removed);
         None when nothing waits."""
         best: tuple[float, int, str] | None = None
-        for tenant, queue in self._queues.items():
-            if queue:
-                key = (self._in_flight[tenant] / self.weight(tenant), queue[0][0], tenant)
+        for tenant in self._queues:
+            first = min((q[0][0] for q in self._queues[tenant].values() if q), default=None)
+            if first is not None:
+                key = (self._in_flight[tenant] / self.weight(tenant), first, tenant)
                 if best is None or key < best:
                     best = key
         if best is None:
             return None
-        return best[2], self._queues[best[2]][0][1]
+        tenant = best[2]
+        return tenant, self._queues[tenant][self._next_user(tenant)][0][1]
 
     def pop(self, tenant: str) -> T:
-        """Remove ``tenant``'s first item and count the slot it takes (:meth:`started`).
+        """Remove the item :meth:`head` names for ``tenant`` and count the slot it takes
+        (:meth:`started`).
 
         Raises:
-            IndexError: nothing of ``tenant`` waits.
+            KeyError: nothing of ``tenant`` waits.
         """
-        _, item = self._queues[tenant].popleft()
+        user = self._next_user(tenant)
+        _, item = self._queues[tenant][user].popleft()
         self._pending -= 1
-        self.started(tenant)
+        self.started(tenant, user)
         return item
 
     def remove(self, tenant: str, item: T) -> bool:
-        """Take ``item`` out of ``tenant``'s queue (it left: timeout, cancel). True if it
+        """Take ``item`` out of ``tenant``'s queues (it left: timeout, cancel). True if it
         was there."""
-        queue = self._queues.get(tenant)
-        if queue:
+        for queue in self._queues.get(tenant, {}).values():
             for entry in queue:
                 if entry[1] is item:
                     queue.remove(entry)
@@ -170,17 +192,18 @@ class FairQueue(Generic[T]):
     def drain(self) -> list[T]:
         """Remove and return every waiting item."""
         items = list(self.items())
-        for queue in self._queues.values():
-            queue.clear()
+        self._queues.clear()
         self._pending = 0
         return items
 
-    def started(self, tenant: str) -> None:
-        """``tenant`` took a slot (without queueing, or by :meth:`pop`)."""
+    def started(self, tenant: str, user: str | None = None) -> None:
+        """``tenant`` (``user``) took a slot (without queueing, or by :meth:`pop`)."""
         self._in_flight[tenant] += 1
+        self._user_in_flight[tenant, user] += 1
 
-    def finished(self, tenant: str) -> None:
-        """``tenant`` gave a slot back."""
-        self._in_flight[tenant] -= 1
-        if self._in_flight[tenant] <= 0:
-            del self._in_flight[tenant]
+    def finished(self, tenant: str, user: str | None = None) -> None:
+        """``tenant`` (``user``) gave a slot back."""
+        for counter, key in ((self._in_flight, tenant), (self._user_in_flight, (tenant, user))):
+            counter[key] -= 1
+            if counter[key] <= 0:
+                del counter[key]

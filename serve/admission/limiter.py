@@ -89,8 +89,9 @@ class AdmissionLimiter:
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
-        #: Queued requests, a FIFO per tenant: (future of the slot, prompt tokens).
-        self.queue: FairQueue[tuple[asyncio.Future, int]] = FairQueue()
+        #: Queued requests, a FIFO per tenant (and user): (future of the slot, prompt tokens,
+        #: user).
+        self.queue: FairQueue[tuple[asyncio.Future, int, str | None]] = FairQueue()
         self._closed = False  # draining or engine lost: queue no one
         self._closed_message = ""
 
@@ -150,7 +151,8 @@ class AdmissionLimiter:
 
     # --- admission ----------------------------------------------------------------------
     async def acquire(self, ttft_target_s: float | None = None, tokens: int = 0,
-                      tenant: str = DEFAULT_TENANT, weight: float = 1.0) -> Slot:
+                      tenant: str = DEFAULT_TENANT, weight: float = 1.0,
+                      user: str | None = None) -> Slot:
         """Wait for a slot: FIFO within ``tenant``, weighted fair between tenants.
 
         Args:
@@ -160,7 +162,8 @@ class AdmissionLimiter:
                 (:meth:`FairQueue.position`).
             tokens: the request's prompt tokens, image tokens included (0: unknown), for a
                 burst's prefill budget (:meth:`SlotCounter.admits`).
-            tenant: who sends it (the API key's tenant); ``weight`` (> 0) its share weight.
+            tenant: who sends it (the API key's tenant); ``weight`` (> 0) its share weight;
+                ``user``: the end user a trusted front end named (shares the tenant's slots).
 
         Returns:
             the request's :class:`Slot`.
@@ -175,8 +178,8 @@ class AdmissionLimiter:
         if self._closed:
             raise Rejected(UNAVAILABLE, 1, self._closed_message)
         if not self.pending and self.slots.admits(tokens):
-            self.queue.started(tenant)
-            return self._granted(self.slots.take(start, tokens), tenant)
+            self.queue.started(tenant, user)
+            return self._granted(self.slots.take(start, tokens), tenant, user)
         who = "" if tenant == DEFAULT_TENANT else f"tenant '{tenant}': "
         if self.queue.pending(tenant) >= self.max_queue:
             raise Rejected(QUEUE_FULL, self.retry_after_s(tenant),
@@ -189,8 +192,8 @@ class AdmissionLimiter:
                            f"Server busy: {who}expected queue wait {wait:.1f}s exceeds the "
                            f"TTFT target {ttft_target_s:.1f}s.")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        waiter = (fut, tokens)
-        self.queue.push(tenant, waiter, weight)
+        waiter = (fut, tokens, user)
+        self.queue.push(tenant, waiter, weight, user)
         self._wake()  # it may be the next one already (another tenant's head is held back)
         try:
             slot = await asyncio.wait_for(asyncio.shield(fut), self.max_queue_wait_s)
@@ -217,18 +220,18 @@ class AdmissionLimiter:
         self._closed = True
         self._closed_message = message
         refused = 0
-        for fut, _ in self.queue.drain():
+        for fut, _, _ in self.queue.drain():
             if not fut.done():
                 fut.set_exception(Rejected(UNAVAILABLE, retry_after_s, message))
                 refused += 1
         return refused
 
-    def _granted(self, slot: Slot, tenant: str) -> Slot:
-        """``slot`` is ``tenant``'s: releasing it gives the tenant's share back."""
-        slot.on_release = lambda: self.queue.finished(tenant)
+    def _granted(self, slot: Slot, tenant: str, user: str | None) -> Slot:
+        """``slot`` is ``tenant``'s (``user``'s): releasing it gives their share back."""
+        slot.on_release = lambda: self.queue.finished(tenant, user)
         return slot
 
-    def _abandon(self, tenant: str, waiter: tuple[asyncio.Future, int]) -> None:
+    def _abandon(self, tenant: str, waiter: tuple[asyncio.Future, int, str | None]) -> None:
         """A waiter leaves (timeout, cancel). If it had been granted a slot meanwhile, hand the
         slot back, so no slot leaks."""
         fut = waiter[0]
@@ -243,7 +246,7 @@ class AdmissionLimiter:
         below its share (:meth:`FairQueue.head`)."""
         while (head := self.queue.head()) is not None:
             tenant, waiter = head
-            fut, tokens = waiter
+            fut, tokens, user = waiter
             if fut.done():  # cancelled, not yet removed
                 self.queue.remove(tenant, waiter)
                 continue
@@ -251,4 +254,4 @@ class AdmissionLimiter:
                 break
             self.queue.pop(tenant)
             fut.set_result(self._granted(
-                self.slots.take(self._clock(), tokens, queued=True), tenant))
+                self.slots.take(self._clock(), tokens, queued=True), tenant, user))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve.admission.fair import DEFAULT_TENANT
 from serve.admission.goodput import SloTargets, non_streamed_good, streamed_good
 from serve.admission.limiter import UNAVAILABLE, AdmissionLimiter, Rejected
 from serve.asgi import (
@@ -38,6 +39,7 @@ from serve.logs import note
 from serve.metrics import Metrics
 from serve.routes import GENERATION_ROUTES
 from serve.sse import CHAT_END, CHAT_SSE, SseDialect, dialect, is_event_stream
+from serve.tenants import ANONYMOUS, TENANT_SCOPE_KEY, USER_SCOPE_KEY
 
 
 @dataclass(eq=False)  # identity: the middleware keeps the open ones in a set
@@ -211,7 +213,9 @@ class AdmissionMiddleware:
             metrics.requests.inc()
             # Counted by the intake, which already parsed the body (0 for /v1/completions).
             metrics.images.observe(scope.get(IMAGES_SCOPE_KEY, 0))
-            slot = await self._acquire(receive, scope.get(PROMPT_TOKENS_SCOPE_KEY, 0))
+            tenant = scope.get(TENANT_SCOPE_KEY, ANONYMOUS)
+            slot = await self._acquire(receive, scope.get(PROMPT_TOKENS_SCOPE_KEY, 0),
+                                       tenant.name, tenant.weight, scope.get(USER_SCOPE_KEY))
         except ClientGone:
             return
         except Rejected as rej:
@@ -256,15 +260,20 @@ class AdmissionMiddleware:
                     metrics.ttft.observe(tracker.ttft_s())
                 if tracker.meets(self.slo):
                     metrics.goodput.inc()
+                    note(goodput=True)  # the tenant's goodput (serve.accounting)
 
-    async def _acquire(self, receive: Receive, tokens: int = 0):
+    async def _acquire(self, receive: Receive, tokens: int = 0, tenant: str = DEFAULT_TENANT,
+                       weight: float = 1.0, user: str | None = None):
         """Take a slot for a request of ``tokens`` prompt tokens (the intake's estimate; 0:
-        unknown), giving up (``ClientGone``) if the client disconnects while queued."""
+        unknown) of ``tenant`` (weight ``weight``; ``user``: a trusted front end's end user,
+        :meth:`AdmissionLimiter.acquire`), giving up (``ClientGone``) if the client
+        disconnects while queued."""
         lim = self.limiter
         if lim.pending == 0 and lim.slots.admits(tokens):
-            return await lim.acquire(tokens=tokens)
+            return await lim.acquire(tokens=tokens, tenant=tenant, weight=weight, user=user)
         acquire = asyncio.ensure_future(lim.acquire(ttft_target_s=self.slo.ttft_s,
-                                                    tokens=tokens))
+                                                    tokens=tokens, tenant=tenant,
+                                                    weight=weight, user=user))
         watch = asyncio.ensure_future(receive())
         try:
             await asyncio.wait({acquire, watch}, return_when=asyncio.FIRST_COMPLETED)

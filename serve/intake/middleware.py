@@ -8,6 +8,10 @@ Responses API) -> images (``images``/``urls``, through the prepared-image cache 
 prompt length (``budget``) -> forward with each image replaced by its prepared ``data:`` URL.
 The tool fields ``--tools ignore`` took out of the body are named in the response header
 ``X-Tools-Ignored`` (``tools, tool_choice``), streamed or not.
+The body's ``user`` (OpenAI's end-user identifier, at most 256 characters, forwarded
+unchanged) goes to the access record; when the request's API key is a trusted front end's
+(``serve.tenants``), it also goes to admission (``USER_SCOPE_KEY``), which shares the front
+end's slots among its users.
 A completions prompt is raw text without images: only the shared checks apply (``request_id``,
 ``n``).
 
@@ -46,6 +50,7 @@ from serve.intake.request import (
     GenerationRequest,
     RequestLimits,
     check_request_id,
+    check_user,
     parse_chat_request,
     parse_completion_request,
 )
@@ -54,6 +59,7 @@ from serve.intake.urls import UrlPolicy, fetch_image_url
 from serve.intake.workers import ImageWorkers
 from serve.logs import note
 from serve.routes import CHAT, COMPLETIONS, GENERATION_ROUTES, RESPONSES
+from serve.tenants import ANONYMOUS, TENANT_SCOPE_KEY, USER_SCOPE_KEY
 
 log = logging.getLogger("serve.intake")
 #: The body parser of each generation protocol.
@@ -62,6 +68,10 @@ PARSERS = {CHAT: parse_chat_request, COMPLETIONS: parse_completion_request,
 REQUEST_ID_HEADER = b"x-request-id"
 #: Response header naming the tool fields taken out of the request (``--tools ignore``).
 TOOLS_IGNORED_HEADER = b"x-tools-ignored"
+#: What the intake makes of a request (:meth:`IntakeMiddleware.serialize`): the body for vLLM,
+#: its number of images, its request id, its prompt tokens, the tool fields taken out of it,
+#: its ``user``.
+Processed = tuple[bytes, int, str, int, tuple, str | None]
 #: Largest body handled on the event loop when it has no images (a text chat): parsing it takes
 #: microseconds, less than a hop to a worker thread.
 INLINE_MAX_BYTES = 16 * 1024
@@ -114,8 +124,8 @@ class IntakeMiddleware:
         try:
             scope, header_id = unique_request_id_header(scope)
             check_content_encoding(scope)
-            body, images, request_id, tokens, ignored = await self.process(raw, protocol,
-                                                                            header_id)
+            body, images, request_id, tokens, ignored, user = await self.process(
+                raw, protocol, header_id)
         except IntakeError as err:
             note(reject_reason=err.code or "invalid_request")  # the access record
             if header_id is not None:
@@ -124,16 +134,18 @@ class IntakeMiddleware:
             return
         scope = {**with_content_length(scope, len(body)), IMAGES_SCOPE_KEY: images,
                  PROMPT_TOKENS_SCOPE_KEY: tokens}
+        if user is not None and scope.get(TENANT_SCOPE_KEY, ANONYMOUS).trusted_frontend:
+            scope[USER_SCOPE_KEY] = user  # fair sharing among a front end's users
         echo_request_id(channel, request_id)
         if ignored:
             channel.on_head(_add_header(TOOLS_IGNORED_HEADER, ", ".join(ignored).encode()))
         await self.app(scope, replay(body, receive), channel)
 
     async def process(self, raw: bytes, protocol: str = CHAT,
-                      header_id: str | None = None) -> tuple[bytes, int, str, int, tuple]:
+                      header_id: str | None = None) -> Processed:
         """The cleaned request body, its number of images, its request id (:meth:`parse`),
-        its prompt tokens as admission estimates them and the tool fields taken out of it
-        (:meth:`serialize`).
+        its prompt tokens as admission estimates them, the tool fields taken out of it and
+        its ``user`` (:meth:`serialize`).
 
         A body of at most :data:`INLINE_MAX_BYTES` without images whose prompt provably fits
         (:meth:`PromptBudget.check`'s bound) is handled on the event loop: microseconds,
@@ -158,7 +170,7 @@ class IntakeMiddleware:
         return await asyncio.to_thread(self.finish, request, {})
 
     def parse_and_finish(self, raw: bytes, protocol: str = CHAT, header_id: str | None = None
-                         ) -> tuple[bytes, int, str, int, tuple] | GenerationRequest:
+                         ) -> Processed | GenerationRequest:
         """:meth:`parse` then :meth:`finish` in the calling (worker) thread, unless an image URL
         must be fetched first: then the parsed request is returned for :meth:`fetch_and_finish`.
         """
@@ -168,7 +180,7 @@ class IntakeMiddleware:
         return self.finish(request, {})
 
     async def fetch_and_finish(self, request: GenerationRequest
-                               ) -> tuple[bytes, int, str, int, tuple]:
+                               ) -> Processed:
         """Fetch the request's image URLs (SSRF rules in ``serve.intake.urls``), then finish in a
         worker thread."""
         fetched = {}
@@ -202,6 +214,8 @@ class IntakeMiddleware:
         except RecursionError:
             raise IntakeError(400, "request body is nested too deeply") from None
         request = PARSERS[protocol](data, self.limits)
+        request.user = check_user(data.get("user"))
+        note(user=request.user)  # the access record, from any key
         if protocol == RESPONSES:
             request.request_id = data.get("request_id") or header_id or new_request_id("resp_")
         else:
@@ -219,7 +233,7 @@ class IntakeMiddleware:
         return request
 
     def finish(self, request: GenerationRequest,
-               fetched: dict[int, bytes]) -> tuple[bytes, int, str, int, tuple]:
+               fetched: dict[int, bytes]) -> Processed:
         """Prepare every image (cached), check the prompt length, serialise (blocking).
 
         Args:
@@ -252,20 +266,20 @@ class IntakeMiddleware:
         return self.serialize(request, sizes, described)
 
     def serialize(self, request: GenerationRequest, sizes, described: list[dict] = ()
-                  ) -> tuple[bytes, int, str, int, tuple]:
+                  ) -> Processed:
         """The body forwarded to vLLM, its number of images, its request id, its prompt
         tokens as estimated for admission (:meth:`PromptBudget.estimate`, for the pixel
         ``sizes`` of its prepared images; 0 without a budget: unknown) and the tool fields
         taken out of it (:attr:`GenerationRequest.tools_ignored`). Notes the image tokens
         for the access record, and with :attr:`log_content` its content (images
-        ``described`` by :meth:`finish`)."""
+        ``described`` by :meth:`finish`), and the body's ``user`` (:func:`check_user`)."""
         crops = request.num_crops or self.default_num_crops
         note(image_tokens=sum(image_tokens(w, h, crops) for w, h in sizes))
         if self.log_content:
             note(content=request_content(request, described))
         tokens = 0 if self.budget is None else self.budget.estimate(request, sizes)
         return (json.dumps(request.body).encode(), len(request.images), request.request_id,
-                tokens, request.tools_ignored)
+                tokens, request.tools_ignored, request.user)
 
 
 def unique_request_id_header(scope: Scope) -> tuple[Scope, str | None]:

@@ -117,6 +117,8 @@ class GenerationRequest:
     #: The tool fields ``--tools ignore`` took out of the body (:func:`check_tools`), named in
     #: the response header ``X-Tools-Ignored``.
     tools_ignored: tuple[str, ...] = ()
+    #: The body's ``user`` (:func:`check_user`; None: none, or empty).
+    user: str | None = None
 
     @property
     def has_urls_to_fetch(self) -> bool:
@@ -321,6 +323,31 @@ def check_request_id(value: Any, param: str) -> str:
     if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
         raise IntakeError(400, "a request id must not contain control characters", param)
     return f"{value}-{secrets.token_hex(4)}"
+
+
+#: Longest ``user`` field (OpenAI's end-user identifier), characters.
+MAX_USER_CHARS = 256
+
+
+def check_user(value: Any) -> str | None:
+    """The body's ``user`` (OpenAI's end-user identifier; the body keeps it unchanged for
+    vLLM): None when absent or empty. It goes to the access record, and from a trusted front
+    end's key to fair admission among its users (``serve.tenants``).
+
+    Raises:
+        IntakeError: 400 naming ``user`` for a non-string, one over :data:`MAX_USER_CHARS`
+            characters, or one holding control characters.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise IntakeError(400, f"user must be a string; got {type(value).__name__}", "user")
+    if len(value) > MAX_USER_CHARS:
+        raise IntakeError(400, f"user is at most {MAX_USER_CHARS} characters; got "
+                          f"{len(value)}", "user")
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
+        raise IntakeError(400, "user must not contain control characters", "user")
+    return value or None
 
 
 #: Request fields vLLM would honour but we do not let clients set.

@@ -227,9 +227,10 @@ def test_dashboards_and_recording_rules_have_data_on_live_stack(server, images, 
         assert float(panel[0]["value"][1]) == -1
 
     # Every series the alert rules select exists on the live stack (GPU utilization only
-    # where NVML reports a GPU), readiness included.
+    # where NVML reports a GPU; a tenant's budget ratio only where the keys file gives it a
+    # budget, tests/engine/test_tenant_limits.py), readiness included.
     wanted = set().union(*(_metric_names(r["expr"]) for r in _alert_rules() + _recording_rules()))
-    wanted.discard("phi3v_gpu_utilization_ratio")
+    wanted -= {"phi3v_gpu_utilization_ratio", "phi3v_tenant_budget_used_ratio"}
     live = {s["metric"]["__name__"] for s in prom.query(
         f'count by (__name__) ({{__name__=~"{"|".join(sorted(wanted))}", job="{JOB}"}})', at)}
     assert wanted <= live, f"series the rules use but the stack does not export: {wanted - live}"

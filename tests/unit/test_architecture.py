@@ -10,13 +10,13 @@ from tests.helpers import ROOT
 
 #: The algorithm and policy modules: the autotuner's controller, the admission limiter, the
 #: engine-signal window, the KV-safe capacity, the capacity planner (``python -m serve.plan``),
-#: the request rules and the route table.
+#: the request rules, the route table, the keys file, the tenant limits and the usage store.
 PURE_MODULES = (
     "serve.admission.controller", "serve.admission.limiter", "serve.admission.engine_stats",
     "serve.admission.goodput", "serve.admission.signals", "serve.admission.fits",
     "serve.admission.rules", "serve.admission.slots", "serve.admission.burst",
     "serve.admission.capacity", "serve.plan", "serve.intake.request", "serve.intake.responses",
-    "serve.routes", "serve.errors",
+    "serve.routes", "serve.errors", "serve.keys", "serve.quota", "serve.usage",
 )
 HEAVY = ("torch", "transformers", "vllm", "starlette", "numpy", "PIL", "prometheus_client",
          "httpx", "pydantic", "fastapi")

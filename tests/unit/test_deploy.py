@@ -135,7 +135,7 @@ def test_compose_config_needs_every_secret_and_only_from_env(tmp_path):
         assert done.returncode != 0 and missing in done.stderr, (missing, done.stderr)
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.ui"])
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.ui", "Dockerfile.router"])
 def test_hadolint(dockerfile):
     done = subprocess.run([str(HADOLINT_BIN), "--failure-threshold", "style",
                            str(DEPLOY / dockerfile)], capture_output=True, text=True)
@@ -296,7 +296,9 @@ def test_k8s_ui_env():
     (c,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in c["env"]}
     env_names("PHI3V_UI_", ui_setting_names(), env)
-    assert env["PHI3V_UI_API_BASE_URL"] == "http://phi3v-api:8000"
+    # Chats through the router; GET /limits (not an OpenAI route) from the API pods' Service.
+    assert env["PHI3V_UI_API_BASE_URL"] == "http://phi3v-router:8000"
+    assert json.loads(env["PHI3V_UI_LIMITS_URLS"]) == ["http://phi3v-api:8000"]
 
 
 def test_compose_services_and_paths():

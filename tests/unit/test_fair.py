@@ -143,3 +143,22 @@ def test_sim_weights_3_to_1_split_the_completed_requests_3_to_1():
     _, _, run = _run({"a": 2.0, "b": 2.0}, weights={"a": 3.0, "b": 1.0})
     done = {t: sum(r.finished for r in run.requests if r.request.tenant == t) for t in "ab"}
     assert done["a"] / done["b"] == pytest.approx(3.0, rel=0.15)
+
+
+def test_a_trusted_front_ends_slots_are_shared_among_its_users():
+    q: FairQueue[str] = FairQueue()
+    for _ in range(3):
+        q.started("ui", "alice")  # alice holds 3 of the UI's slots
+    for i in range(3):
+        q.push("ui", f"alice{i}", user="alice")
+    q.push("ui", "bob0", user="bob")
+    q.push("ui", "bob1", user="bob")
+    order = []
+    while (head := q.head()) is not None:
+        assert q.pop(head[0]) == head[1]
+        order.append(head[1])
+    # bob (0 slots) twice, then alice and bob alternate by slots held, alice's earliest first
+    assert order[:3] == ["bob0", "bob1", "alice0"]
+    assert q.in_flight("ui") == 8 and q.in_flight("ui", "bob") == 2
+    q.finished("ui", "bob")
+    assert q.in_flight("ui", "bob") == 1 and q.in_flight("ui") == 7

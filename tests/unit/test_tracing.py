@@ -68,7 +68,8 @@ def test_tracing_off_creates_nothing_and_adds_no_layer():
     gateway = Gateway(Settings(device="cpu"), registry=CollectorRegistry())
     assert gateway.tracing is None
     assert all(layers == [] for layers in NO_SPANS)
-    assert len(gateway.request_layers()) == 4  # body limit, intake, admission, stream guard
+    # body limit, intake, tenant limits, admission, stream guard
+    assert len(gateway.request_layers()) == 5
     assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
     assert not [t for t in threading.enumerate() if "Otel" in t.name]
 
@@ -78,7 +79,7 @@ def test_tracing_on_adds_one_layer_per_span():
                       registry=CollectorRegistry())
     try:
         assert gateway.tracing is not None
-        assert len(gateway.request_layers()) == 8
+        assert len(gateway.request_layers()) == 9
         assert [t for t in threading.enumerate() if "Otel" in t.name]  # the batch exporter
         # The gateway's provider is its own: vLLM sets the global one.
         assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import socket
 import tomllib
 
@@ -29,7 +30,7 @@ from tests.browser.helpers import (
 )
 from tests.helpers import IMAGES, png_bytes
 from ui import errors, history, images
-from ui.api import ApiClient, ServerLimits, Token, Usage
+from ui.api import MAX_USER_CHARS, ApiClient, ServerLimits, Token, Usage, api_user
 from ui.history import Conversation, HistoryImage, Turn
 from ui.settings import UISettings
 from ui.stats import AnswerStats
@@ -289,6 +290,32 @@ async def test_stream_parses_tokens_usage_and_error_events():
     with pytest.raises(errors.ApiError, match="engine died"):
         async for _ in client.stream_chat({}):
             pass
+
+
+async def test_each_chat_request_names_the_logged_in_user():
+    """``user`` carries the UI's user identifier (the API shares a trusted front end's capacity
+    among its users); an identifier longer than the API accepts goes as its stable digest."""
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.read()))
+        return httpx.Response(200, text="data: [DONE]\n\n",
+                              headers={"content-type": "text/event-stream"})
+
+    client = ApiClient(UISettings(api_base_url="http://api.test", api_key="k"),
+                       transport=httpx.MockTransport(handler))
+    long_name = "github:" + "a" * 300
+    for user in ("alice", long_name, long_name):
+        [e async for e in client.stream_chat({"model": "m", "messages": []}, user=user)]
+    assert sent[0]["user"] == "alice"
+    assert sent[1]["user"] == sent[2]["user"] == api_user(long_name)
+    assert sent[1]["user"].startswith("sha256:") and len(sent[1]["user"]) <= MAX_USER_CHARS
+    [e async for e in client.stream_chat({"model": "m", "messages": []})]
+    assert "user" not in sent[3]
+    await client.aclose()
+    from serve.intake.request import MAX_USER_CHARS as API_MAX_USER_CHARS
+
+    assert MAX_USER_CHARS == API_MAX_USER_CHARS
 
 
 # --- statistics --------------------------------------------------------------------------------
