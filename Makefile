@@ -57,7 +57,7 @@ help:
 	@echo "make demo-replicas - REPLICAS=2 API replicas behind vllm-router on :$(PORT) (replica i on :$(PORT)+i) and the UI"
 	@echo "make ui     - the chat UI on http://$(HOST):$(UI_PORT) against a running API (own venv ui/.venv)"
 	@echo "make test   - run the test suite (real tiny engine on CPU)"
-	@echo "make test-fast - the unit tier only (no engine, no browser; under a minute)"
+	@echo "make test-fast - the unit tier only (no engine, no browser; a few minutes)"
 	@echo "make lint   - ruff (configured in pyproject.toml) over the whole tree"
 	@echo "make bench-layers - our layers' instructions per request and per token under cachegrind (~30 s); fails past +2 % of bench/layers-baseline.json"
 	@echo "make bench  - ours vs raw vLLM vs raw vLLM (A/A), interleaved blocks (~15 min); one verdict line"
