@@ -97,6 +97,15 @@ $(UI_STAMP): ui/requirements.txt
 ui: ui-install
 	$(UI_PY) -m ui --host $(HOST) --port $(UI_PORT) --api-base-url http://$(HOST):$(PORT)
 
+# The chat features in the browser (tests/browser/test_ui_chat.py, ~2 min with the API's start)
+# and their screenshots, copied into ui/docs/screenshots/ for ui/README.md.
+.PHONY: ui-screenshots
+ui-screenshots: install model ui-install system-deps
+	rm -rf test-artifacts/screenshots
+	$(PY) -m pytest -q tests/browser/test_ui_chat.py
+	mkdir -p ui/docs/screenshots
+	cp test-artifacts/screenshots/*.png ui/docs/screenshots/
+
 demo: install model ui-install
 	@$(call step,start,starting the API ($(TINY_MODEL)) and the chat UI; both URLs follow once the engine is up (~35 s on CPU) ...)
 	PY=$(PY) UI_PY=$(UI_PY) MODEL=$(TINY_MODEL) HOST=$(HOST) PORT=$(PORT) UI_PORT=$(UI_PORT) bash ui/demo.sh

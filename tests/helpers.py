@@ -77,6 +77,48 @@ class Server(ManagedServer):
 
 
 
+@dataclass
+class CliResult:
+    """What a run of the command line gave: exit status and output."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def serve_cli(*argv: str, timeout_s: int = 120) -> CliResult:
+    """``python -m serve *argv`` run in this process (``serve.__main__.main``, which the
+    module's ``__main__`` calls), for the runs that stop before serving: ``--help``, refused
+    flags, settings and model directories. Saves the ~13 s a new process spends importing
+    vLLM. The environment (vLLM's, set before its parser runs) is restored afterwards; a run
+    that starts to serve instead is stopped by ``TimeoutError`` after ``timeout_s``."""
+    import contextlib
+    import os
+    import signal
+
+    from serve.__main__ import main
+
+    def too_long(signum, frame):
+        raise TimeoutError(f"python -m serve {' '.join(argv)} did not stop within {timeout_s} s")
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(timeout_s)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as exc:  # argparse: --help, a usage error
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        os.environ.clear()
+        os.environ.update(saved)
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
 def vllm_token_event(content: bytes, finish: bytes = b"null") -> bytes:
     """A chat token event as vLLM 0.32 writes it (captured from the tiny model): compact JSON,
     one choice; ``content`` and ``finish`` are JSON literals (``b'"hi"'``, ``b'"abort"'``)."""
@@ -98,6 +140,35 @@ def start_server(extra_args: list[str] | None = None, env: dict[str, str] | None
 def stop_server(server: Server) -> None:
     """Stop a server started by :func:`start_server` (30 s grace)."""
     stop_process(server, 30)
+
+
+#: The session's ``gateway`` server (tests/conftest.py): its one ``--allowed-origins`` origin
+#: and its plain ``--api-keys`` key (tenant ``default``, admin).
+GATEWAY_ORIGIN = "http://app.example"
+GATEWAY_KEY = "plain-key"
+#: Its ``--max-request-bytes``, and the hosts of its ``--image-url-allowlist`` (the hostile
+#: tests' spellings of loopback; only 127.0.0.2 is an allowed network).
+GATEWAY_MAX_BODY = 3 * 2**20
+GATEWAY_URL_HOSTS = ["127.0.0.2", "localhost", "127.0.0.1", "127.1", "0x7f000001", "::1"]
+#: Flags of a server whose output is JSON lines (``serve.logs``) without vLLM's progress bar.
+JSON_LOGS = ["--log-format", "json", "--no-use-tqdm-on-load"]
+
+
+def keys_cli(keys_file: Path, *argv: str) -> str:
+    """``python -m serve.keys --file KEYS_FILE *argv`` as an operator runs it; its stdout.
+    Raises ``subprocess.CalledProcessError`` when it fails."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "serve.keys", "--file", str(keys_file), *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout.strip()
+
+
+def add_key(keys_file: Path, tenant: str, *flags: str) -> str:
+    """A new key of ``tenant`` in ``keys_file`` (created with ``flags``, e.g. ``--admin``,
+    ``--weight 3``) through :func:`keys_cli`; its token."""
+    return keys_cli(keys_file, "add", "--tenant", tenant, *flags).splitlines()[-1]
 
 
 class ImagePeer:

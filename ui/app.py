@@ -4,14 +4,15 @@ Run with ``python -m ui`` (``make ui``). The UI talks to the API only over HTTP
 (:mod:`ui.api`): ``GET /limits`` for the image limits, ``POST /v1/chat/completions`` streamed.
 Helpers, one job each: image intake (:mod:`ui.images`), history and its old-image policy
 (:mod:`ui.history`), readable errors (:mod:`ui.errors`), per-answer statistics
-(:mod:`ui.stats`), persisted images (:mod:`ui.storage`), database schema (:mod:`ui.db`), login
-(:mod:`ui.auth`), which pages may use a login (:mod:`ui.origins`), settings
-(:mod:`ui.settings`). Design notes: ``ui/README.md``.
+(:mod:`ui.stats`), exports (:mod:`ui.export`), persisted images (:mod:`ui.storage`), database
+schema (:mod:`ui.db`), login (:mod:`ui.auth`), which pages may use a login
+(:mod:`ui.origins`), settings (:mod:`ui.settings`). Design notes: ``ui/README.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import uuid
@@ -24,16 +25,17 @@ import chainlit as cl
 import chainlit.auth.cookie as chainlit_cookie
 import chainlit.server as chainlit_server
 from chainlit.auth import get_current_user, get_token_from_cookies
+from chainlit.chat_context import chat_context
 from chainlit.config import SpontaneousFileUploadFeature
 from chainlit.config import config as chainlit_config
 from chainlit.data import get_data_layer
 from chainlit.data.sql_alchemy import SQLAlchemyDataLayer
-from chainlit.input_widget import NumberInput, Slider
+from chainlit.input_widget import NumberInput, Slider, TextInput
 from chainlit.server import app as chainlit_app
 from fastapi import HTTPException
 from starlette.requests import cookie_parser
 
-from ui import auth, db, history, images, origins, serving, uploads
+from ui import auth, db, export, history, images, origins, serving, uploads
 from ui.api import ApiClient, ServerLimits, Token, Usage
 from ui.errors import ApiError
 from ui.history import ANSWER_KEY, Conversation, HistoryImage, Turn
@@ -47,6 +49,15 @@ from ui.users import Accounts, LoginLimiter, UsersFile
 ARGON2_CONCURRENCY = 2
 #: OpenAI's temperature range.
 TEMPERATURE_MIN, TEMPERATURE_MAX = 0.0, 2.0
+#: The composer command answering with the conversation's files (Chainlit's commands:
+#: ``message.command`` in on_message).
+EXPORT_COMMAND = "Export"
+#: Name of the action under the newest answer that asks for another answer.
+REGENERATE_ACTION = "regenerate"
+#: The custom element under each answer (``ui/public/elements/Stats.jsx``): its statistics
+#: and which images the model saw, kept out of the message's content so that Copy copies the
+#: answer alone.
+STATS_ELEMENT = "Stats"
 
 log = logging.getLogger("ui")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
@@ -105,43 +116,107 @@ def _clamped(value, default, lo, hi, kind):
         return default
 
 
+def max_tokens_limit(limits: ServerLimits | None) -> int:
+    """Largest maximum answer length a user may pick, tokens."""
+    ceiling = settings.max_tokens_ceiling
+    return min(ceiling, limits.max_model_len) if limits else ceiling
+
+
+def default_window(limits: ServerLimits) -> int:
+    """Default of 'Images re-sent': ``PHI3V_UI_HISTORY_MAX_IMAGES``, at most the server's
+    images per request."""
+    return min(settings.history_max_images, limits.max_images_per_request)
+
+
 def chat_values(limits: ServerLimits) -> dict:
-    """The chat's settings (Chainlit keeps them per session), validated."""
+    """The chat's settings (Chainlit keeps them per session), validated; the order is the
+    settings panel's."""
     values = cl.user_session.get("chat_settings") or {}
+    prompt = values.get("system_prompt")
     return {
+        "system_prompt": settings.default_system_prompt if prompt is None else str(prompt),
         "temperature": _clamped(values.get("temperature"), settings.default_temperature,
                                 TEMPERATURE_MIN, TEMPERATURE_MAX, float),
-        "max_tokens": _clamped(values.get("max_tokens"), settings.default_max_tokens,
-                               1, settings.max_tokens_ceiling, int),
+        "max_tokens": _clamped(values.get("max_tokens"),
+                               min(settings.default_max_tokens, max_tokens_limit(limits)),
+                               1, max_tokens_limit(limits), int),
+        "history_images": _clamped(values.get("history_images"), default_window(limits),
+                                   0, limits.max_images_per_request, int),
         "num_crops": _clamped(values.get("num_crops"), limits.num_crops,
                               1, limits.max_num_crops, int),
     }
 
 
-async def send_chat_settings() -> None:
-    """The chat settings panel; initial values: this chat's (resume) or the defaults."""
-    current = cl.user_session.get("chat_settings") or {}
-    try:
-        limits = await server_limits()
-        default_crops, max_crops = limits.num_crops, limits.max_num_crops
-    except ApiError:
-        default_crops, max_crops = 1, 1
-    await cl.ChatSettings([
+def settings_widgets(current: dict, limits: ServerLimits | None) -> list:
+    """The chat settings panel: initial values ``current`` (this chat's), else the defaults,
+    each stated in its description. Defaults come from the server's ``GET /limits`` where it
+    has one (``limits``; ``None`` while the API does not answer), else from the UI's settings.
+    num_crops stays the last slider (the browser tests move it by its position)."""
+    crops, max_crops = (limits.num_crops, limits.max_num_crops) if limits else (1, 1)
+    max_images = limits.max_images_per_request if limits else settings.history_max_images
+    window = default_window(limits) if limits else settings.history_max_images
+    tokens_limit = max_tokens_limit(limits)
+    tokens = min(settings.default_max_tokens, tokens_limit)
+    prompt = settings.default_system_prompt
+    return [
+        TextInput(id="system_prompt", label="System prompt", multiline=True,
+                  initial=current.get("system_prompt", prompt), placeholder="None",
+                  description="Sent first, as a system message, with every request of this "
+                              f"chat; empty: none. Default: {prompt or 'none'}."),
         Slider(id="temperature", label="Temperature", min=TEMPERATURE_MIN,
                max=TEMPERATURE_MAX, step=0.1,
-               initial=current.get("temperature", settings.default_temperature)),
-        NumberInput(id="max_tokens", label="Max tokens",
-                    initial=current.get("max_tokens", settings.default_max_tokens),
-                    description=f"Longest answer, 1 to {settings.max_tokens_ceiling} tokens."),
+               initial=current.get("temperature", settings.default_temperature),
+               description="Sampling randomness, 0 (always the likeliest token) to 2. "
+                           f"Default {settings.default_temperature}."),
+        NumberInput(id="max_tokens", label="Maximum answer length",
+                    initial=current.get("max_tokens", tokens),
+                    description=f"Longest answer, 1 to {tokens_limit} tokens (sent as "
+                                f"max_tokens). Default {tokens}."),
+        Slider(id="history_images", label=history.WINDOW_SETTING, min=0, max=max_images,
+               step=1, initial=current.get("history_images", window),
+               description="How many of the conversation's newest images each request "
+                           "carries (at least those of the new message; the server takes at "
+                           f"most {max_images}); older ones become a short note, and the "
+                           f"answer says which images the model saw. Default {window}."),
         Slider(id="num_crops", label="num_crops", min=1, max=max_crops, step=1,
-               initial=current.get("num_crops", default_crops),
-               description=f"Phi-3-vision HD crops per image (server default {default_crops}); "
+               initial=current.get("num_crops", crops),
+               description=f"Phi-3-vision HD crops per image. Default {crops} (the server's); "
                            "sent as mm_processor_kwargs when changed."),
-    ]).send()
+    ]
+
+
+async def send_chat_settings() -> None:
+    """The chat settings panel; initial values: this chat's (resume) or the defaults."""
+    try:
+        limits = await server_limits()
+    except ApiError:
+        limits = None
+    await cl.ChatSettings(settings_widgets(cl.user_session.get("chat_settings") or {},
+                                           limits)).send()
+
+
+async def persist_chat_settings() -> None:
+    """Write the chat's settings into its thread's metadata, where resuming it reads them
+    back. Chainlit writes them there only when the browser's socket disconnects, which a UI
+    that is killed or restarted never sees. Nothing before the thread exists (its first
+    message creates it; the answer to it writes them)."""
+    thread_id = cl.context.session.thread_id
+    if await thread_author(thread_id) is None:
+        return
+    values = dict(cl.context.session.chat_settings or {})
+    await get_data_layer().update_thread(thread_id, metadata={"chat_settings": values})
+
+
+async def send_commands() -> None:
+    """The composer's Export button (a Chainlit command)."""
+    await cl.context.emitter.set_commands([{
+        "id": EXPORT_COMMAND, "icon": "download", "button": True, "persistent": False,
+        "description": "Download this conversation: Markdown, JSON (messages, settings, "
+                       "SHA-256 of each image) and a zip with both and the images."}])
 
 
 async def prepare_attachments(message: cl.Message, limits: ServerLimits
-                              ) -> list[images.PreparedImage]:
+                              ) -> list[HistoryImage]:
     """Check and re-encode the message's files. Raises ImageRefused naming each bad file."""
     files = [el for el in message.elements or [] if el.path or el.content]
     images.check_count(len(files), limits)
@@ -149,40 +224,85 @@ async def prepare_attachments(message: cl.Message, limits: ServerLimits
     for el in files:
         raw = await asyncio.to_thread(Path(el.path).read_bytes) if el.path else el.content
         try:
-            prepared.append(await asyncio.to_thread(
+            image = await asyncio.to_thread(
                 images.prepare_image, el.name, raw, limits, settings.max_image_side_px,
-                settings.jpeg_quality))
+                settings.jpeg_quality)
         except images.ImageRefused as exc:
             refused.append(exc.message)
+            continue
+        prepared.append(HistoryImage(image.name, image.data_url, element_id=el.id))
     if refused:
         raise images.ImageRefused("\n".join(refused))
     return prepared
 
 
+async def stored_key(img: HistoryImage) -> str | None:
+    """Where the original of ``img`` is stored: its object key, or the one the data layer
+    gave the element of an upload of this session."""
+    if img.object_key is None and img.element_id:
+        el = await get_data_layer().get_element(cl.context.session.thread_id, img.element_id)
+        img.object_key = (el or {}).get("objectKey")
+    return img.object_key
+
+
 async def load_persisted_image(img: HistoryImage, limits: ServerLimits) -> str | None:
-    """The data URL of a stored image of a resumed chat (None if gone or refused)."""
-    if not img.object_key:
+    """The data URL of a stored image (a resumed chat's, or an upload whose bytes were
+    dropped from memory); None if gone or refused."""
+    key = await stored_key(img)
+    if not key:
         return None
     try:
-        raw = await storage.read_file(img.object_key)
+        raw = await storage.read_file(key)
         prepared = await asyncio.to_thread(images.prepare_image, img.name, raw, limits,
                                            settings.max_image_side_px, settings.jpeg_quality)
     except (OSError, ValueError, images.ImageRefused) as exc:
-        log.warning("cannot reload %s: %s", img.object_key, exc)
+        log.warning("cannot reload %s: %s", key, exc)
         return None
     return prepared.data_url
 
 
-async def finish_answer(msg: cl.Message, stats: AnswerStats, in_history: bool) -> None:
-    """Put the statistics under the answer and persist it (ends the stream)."""
+def regenerate_action() -> cl.Action:
+    return cl.Action(name=REGENERATE_ACTION, payload={}, icon="refresh-cw",
+                     tooltip="Regenerate")
+
+
+async def withdraw_regenerate() -> None:
+    """Take the Regenerate action off the answer that has it (a newer message arrived)."""
+    action = cl.user_session.get("regenerate_action")
+    if action is not None:
+        cl.user_session.set("regenerate_action", None)
+        await action.remove()
+
+
+async def offer_regenerate(msg: cl.Message) -> None:
+    """Put the Regenerate action on ``msg`` (the newest answer) only."""
+    await withdraw_regenerate()
+    action = regenerate_action()
+    msg.actions = [action]
+    cl.user_session.set("regenerate_action", action)
+
+
+async def finish_answer(msg: cl.Message, stats: AnswerStats, in_history: bool,
+                        seen: str | None) -> None:
+    """Put the statistics (and ``seen``, the line saying which images the model saw) under
+    the answer, in an element of their own: the message's content stays the answer alone,
+    which Chainlit's Copy copies. Persist it (ends the stream)."""
     answer = msg.content
-    if in_history:  # what conversation_from_thread reads back on resume
-        msg.metadata = {ANSWER_KEY: {"answer": answer, "stats": stats.to_dict()}}
-    msg.content = f"{answer}\n\n{stats.footer()}" if answer else stats.footer()
+    if in_history:  # what conversation_from_thread and exports read back
+        record = {"answer": answer, "stats": stats.to_dict()}
+        if seen:
+            record["images_seen"] = seen
+        msg.metadata = {ANSWER_KEY: record}
+        await offer_regenerate(msg)
+    lines = [stats.line()] + ([seen] if seen else [])
+    msg.elements = [cl.CustomElement(name=STATS_ELEMENT, props={"lines": lines},
+                                     display="inline")]
     await msg.send()
+    if in_history:
+        await persist_chat_settings()
 
 
-async def stream_answer(body: dict, conversation: Conversation) -> None:
+async def stream_answer(body: dict, conversation: Conversation, seen: str | None) -> None:
     """Stream one answer into a new message and record it in ``conversation``: the answer
     (also a stopped one) becomes the assistant turn; a failed request drops the user turn."""
     msg = cl.Message(content="")
@@ -198,22 +318,116 @@ async def stream_answer(body: dict, conversation: Conversation) -> None:
     except ApiError as exc:
         conversation.pop_unanswered()
         if stats.chunks:  # failed mid-answer: keep what the user saw, out of the history
-            await finish_answer(msg, stats, in_history=False)
+            await finish_answer(msg, stats, in_history=False, seen=seen)
         await cl.ErrorMessage(content=exc.message).send()
         return
     except asyncio.CancelledError:  # Stop: leaving the stream closed the HTTP request
         stats.stopped = True
-        conversation.add(Turn("assistant", msg.content))
-        await finish_answer(msg, stats, in_history=True)
+        conversation.add(Turn("assistant", msg.content, message_id=msg.id))
+        await finish_answer(msg, stats, in_history=True, seen=seen)
         raise
-    conversation.add(Turn("assistant", msg.content))
-    await finish_answer(msg, stats, in_history=True)
+    conversation.add(Turn("assistant", msg.content, message_id=msg.id))
+    await finish_answer(msg, stats, in_history=True, seen=seen)
+
+
+async def answer(conversation: Conversation, current_images: int) -> None:
+    """Send the conversation, which ends with a user turn carrying ``current_images``
+    images, with the chat's settings, and stream the answer (:func:`stream_answer`)."""
+    try:
+        limits = await server_limits()
+    except ApiError as exc:
+        conversation.pop_unanswered()
+        await cl.ErrorMessage(content=exc.message).send()
+        return
+    chat = chat_values(limits)
+    keep = history.window_size(chat["history_images"], current_images,
+                               limits.max_images_per_request)
+    await conversation.fill(keep, lambda img: load_persisted_image(img, limits))
+    seen = history.images_seen_line(*conversation.images_seen(keep), keep,
+                                    limits.max_images_per_request)
+    body = {"model": settings.model or limits.model,
+            "messages": conversation.messages(keep, chat["system_prompt"]),
+            "temperature": chat["temperature"], "max_tokens": chat["max_tokens"]}
+    if chat["num_crops"] != limits.num_crops:
+        body["mm_processor_kwargs"] = {"num_crops": chat["num_crops"]}
+    try:
+        await stream_answer(body, conversation, seen)
+    finally:
+        conversation.trim(keep)
+
+
+async def send_export() -> None:
+    """Answer the Export command with the conversation's files, built from the stored thread
+    (:mod:`ui.export`): conversation.md, conversation.json, conversation.zip."""
+    thread = await get_data_layer().get_thread(cl.context.session.thread_id)
+    if not thread or not history.answered_steps(thread):
+        await cl.Message(content="Nothing to export yet: this conversation has no answer.",
+                         metadata={"command": EXPORT_COMMAND}).send()
+        return
+    try:
+        values = chat_values(await server_limits())
+    except ApiError:  # the settings as stored, unvalidated
+        values = dict(cl.user_session.get("chat_settings") or {})
+    stored = {}
+    for el in export.image_elements_of(thread):
+        try:
+            stored[el["id"]] = await storage.read_file(el.get("objectKey") or "")
+        except (OSError, ValueError):
+            stored[el["id"]] = None
+    files = export.build(thread, values, stored)
+    count, pictures = len(files.document["messages"]), len(files.files)
+    await cl.Message(
+        content=f"This conversation as files ({count} messages, {pictures} "
+                f"image{'' if pictures == 1 else 's'}): Markdown, JSON (messages, settings, "
+                "SHA-256 of each image) and a zip with both and the images.",
+        metadata={"command": EXPORT_COMMAND},
+        elements=[
+            cl.File(name=export.MARKDOWN_NAME, content=files.markdown().encode(),
+                    mime="text/markdown", display="inline"),
+            cl.File(name=export.JSON_NAME, content=files.json_text().encode(),
+                    mime="application/json", display="inline"),
+            cl.File(name=export.ZIP_NAME, content=files.zip_bytes(), mime="application/zip",
+                    display="inline"),
+        ]).send()
 
 
 # --- handlers ---------------------------------------------------------------------------------
+class DataLayer(SQLAlchemyDataLayer):
+    """Chainlit's SQLAlchemy data layer, with two changes to what it stores.
+
+    - A custom element (the statistics under each answer, :data:`STATS_ELEMENT`) is stored as
+      its row and props only. Chainlit would also write its props as a file into storage, one
+      per answer, which the browser never reads (it renders the element from its props) and
+      which would count towards the user's storage quota.
+    - ``delete_step`` also deletes the stored files of the removed message's elements.
+      Chainlit's deletes only their rows, which left the images of messages an edit removes on
+      disk for good.
+    """
+
+    async def create_element(self, element):
+        if element.type != "custom" or not element.for_id:
+            return await super().create_element(element)
+        row = {k: v for k, v in element.to_dict().items() if v is not None}
+        row["props"] = json.dumps(row.get("props") or {})
+        columns = ", ".join(f'"{c}"' for c in row)
+        updates = ", ".join(f'"{c}" = :{c}' for c in row if c != "id")
+        await self.execute_sql(
+            f"INSERT INTO elements ({columns}) VALUES ({', '.join(f':{c}' for c in row)}) "
+            f"ON CONFLICT (id) DO UPDATE SET {updates}", row)
+
+    async def delete_step(self, step_id: str):
+        if cl.context.session.has_first_interaction:  # else Chainlit queues the deletion
+            rows = await self.execute_sql(
+                'SELECT "objectKey" AS key FROM elements WHERE "forId" = :id '
+                'AND "objectKey" IS NOT NULL', {"id": step_id})
+            for row in rows if isinstance(rows, list) else []:
+                await storage.delete_file(row["key"])
+        return await super().delete_step(step_id)
+
+
 @cl.data_layer
 def data_layer() -> SQLAlchemyDataLayer:
-    return SQLAlchemyDataLayer(conninfo=settings.database_url, storage_provider=storage)
+    return DataLayer(conninfo=settings.database_url, storage_provider=storage)
 
 
 @cl.on_app_startup
@@ -353,48 +567,113 @@ async def quota_refusal(message: cl.Message) -> str | None:
 async def on_chat_start() -> None:
     cl.user_session.set("conversation", Conversation())
     await send_chat_settings()
+    await send_commands()
+
+
+def newest_message_id(thread: cl.types.ThreadDict) -> str | None:
+    """Id of the thread's newest message step."""
+    messages = [s for s in thread.get("steps") or [] if s.get("type") in
+                ("user_message", "assistant_message")]
+    return max(messages, key=lambda s: s.get("createdAt") or "")["id"] if messages else None
 
 
 @cl.on_chat_resume
 async def on_chat_resume(thread: cl.types.ThreadDict) -> None:
-    cl.user_session.set("conversation", history.conversation_from_thread(thread))
+    conversation = history.conversation_from_thread(thread)
+    cl.user_session.set("conversation", conversation)
     await send_chat_settings()
+    await send_commands()
+    # Regenerate stays on the newest answer while nothing came after it (as in a live chat).
+    # Sent before Chainlit replays the thread to the browser, which keeps the action.
+    last = conversation.last_answer_id
+    if last and last == newest_message_id(thread):
+        action = regenerate_action()
+        await action.send(for_id=last)
+        cl.user_session.set("regenerate_action", action)
+
+
+@cl.on_settings_update
+async def on_settings_update(values: dict) -> None:
+    await persist_chat_settings()
 
 
 @cl.on_stop
 async def on_stop() -> None:
-    # Chainlit has already cancelled the task running on_message: stream_answer leaves the
-    # httpx stream, the connection closes, and the API aborts the request in vLLM.
+    # Chainlit has already cancelled the task running on_message (or the regeneration):
+    # stream_answer leaves the httpx stream, the connection closes, and the API aborts the
+    # request in vLLM.
     log.info("answer stopped by the user")
+
+
+async def accepted_images(message: cl.Message) -> list[HistoryImage] | None:
+    """The images of a new message, checked against the storage quota and the server's
+    limits and re-encoded; None when refused (the reason is in the chat)."""
+    refusal = await quota_refusal(message)
+    if refusal:
+        await cl.ErrorMessage(content=refusal).send()
+        return None
+    try:
+        return await prepare_attachments(message, await server_limits())
+    except ApiError as exc:
+        await cl.ErrorMessage(content=exc.message).send()
+    except images.ImageRefused as exc:
+        await cl.ErrorMessage(content=f"Not sent. {exc.message}").send()
+    return None
 
 
 @cl.on_message
 async def on_message(message: cl.Message) -> None:
+    """A new message, a command, or an edited message. Chainlit's edit_message handler has
+    removed the messages after an edited one and calls this with the same message, whose
+    elements it may not carry (a resumed chat): its turn's images are reused instead, and the
+    quota check, which would remove the message's stored images on a refusal, is skipped."""
+    # Chainlit's edit_message awaits on_message in its socket handler, not in the session's
+    # current_task, so Stop would not reach an edited message's answer (chainlit/socket.py,
+    # edit_message; client_message runs process_message as current_task).
+    cl.context.session.current_task = asyncio.current_task()
+    await withdraw_regenerate()
+    if message.command == EXPORT_COMMAND:
+        await send_export()
+        return
     conversation: Conversation = cl.user_session.get("conversation")
-    refusal = await quota_refusal(message)
-    if refusal:
-        await cl.ErrorMessage(content=refusal).send()
+    conversation.retain({m.id for m in chat_context.get()})
+    edited = conversation.take_for_edit(message.id)
+    if edited is not None:
+        found = edited.images
+    else:
+        found = await accepted_images(message)
+        if found is None:
+            return
+    conversation.add(Turn("user", message.content, found, message_id=message.id))
+    await answer(conversation, len(found))
+
+
+@cl.action_callback(REGENERATE_ACTION)
+async def on_regenerate(action: cl.Action) -> None:
+    """Replace the newest answer with a new one to the same messages and images, with the
+    chat's settings. Runs as the session's current task, so Stop ends it like any answer
+    (Chainlit runs action callbacks in the HTTP request, outside that task)."""
+    conversation: Conversation = cl.user_session.get("conversation")
+    old = next((m for m in chat_context.get() if m.id == action.forId), None)
+    if old is None or not conversation.pop_answer(action.forId):
+        await cl.context.emitter.send_toast("Only the newest answer can be regenerated.",
+                                            "warning")
         return
+    cl.user_session.set("regenerate_action", None)
+    await old.remove()
+    asker = conversation.turns[-1]
+    cl.context.session.current_task = asyncio.create_task(regenerate(conversation, asker))
+
+
+async def regenerate(conversation: Conversation, asker: Turn) -> None:
+    """The new answer to ``asker`` (the conversation's last turn), in an ``on_message`` run
+    under that message as Chainlit makes for a message: the browser then places it there and
+    gives it the Copy button of answers."""
+    await cl.context.emitter.task_start()
     try:
-        limits = await server_limits()
-        prepared = await prepare_attachments(message, limits)
-    except ApiError as exc:
-        await cl.ErrorMessage(content=exc.message).send()
-        return
-    except images.ImageRefused as exc:
-        await cl.ErrorMessage(content=f"Not sent. {exc.message}").send()
-        return
-    keep = history.window_size(settings.history_max_images, len(prepared),
-                               limits.max_images_per_request)
-    conversation.add(Turn("user", message.content,
-                          [HistoryImage(p.name, p.data_url) for p in prepared]))
-    await conversation.fill(keep, lambda img: load_persisted_image(img, limits))
-    chat = chat_values(limits)
-    body = {"model": settings.model or limits.model, "messages": conversation.messages(keep),
-            "temperature": chat["temperature"], "max_tokens": chat["max_tokens"]}
-    if chat["num_crops"] != limits.num_crops:
-        body["mm_processor_kwargs"] = {"num_crops": chat["num_crops"]}
-    try:
-        await stream_answer(body, conversation)
+        async with cl.Step(name="on_message", type="run", parent_id=asker.message_id):
+            await answer(conversation, len(asker.images))
+    except asyncio.CancelledError:  # Stop: the answer is kept, marked stopped
+        pass
     finally:
-        conversation.trim(keep)
+        await cl.context.emitter.task_end()

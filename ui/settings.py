@@ -104,17 +104,22 @@ class UISettings(BaseSettings):
         2,
         ge=0,
         description="Most images carried in the history sent to the model (the newest ones; "
-        "older image parts become a short text note). Capped by the server's "
-        "max_images_per_request.",
+        "older image parts become a short text note): the default of the chat setting "
+        "'Images re-sent'. Capped by the server's max_images_per_request.",
     )
 
     # --- chat settings defaults (the user can change them per chat) -----------------------
+    default_system_prompt: str = Field(
+        "", description="Initial system prompt of a chat (sent first, as a system message, "
+        "when not empty)."
+    )
     default_temperature: float = Field(0.7, ge=0, le=2, description="Initial temperature.")
     default_max_tokens: int = Field(
-        512, ge=1, description="Initial max tokens of an answer."
+        512, ge=1, description="Initial maximum answer length, tokens."
     )
     max_tokens_ceiling: int = Field(
-        4096, ge=1, description="Largest max tokens a user may pick."
+        4096, ge=1, description="Largest maximum answer length a user may pick, tokens (also "
+        "at most the server's max_model_len)."
     )
 
     # --- persistence and login -------------------------------------------------------------

@@ -70,8 +70,8 @@ class AnswerStats:
                 "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
                 "stopped": self.stopped}
 
-    def footer(self) -> str:
-        """One markdown line for under the answer, e.g.
+    def line(self) -> str:
+        """One line for under the answer, e.g.
         ``TTFT 0.42 s · 9.8 tok/s · 24 tokens · prompt 330 tokens``."""
         parts = [f"TTFT {self.ttft_s:.2f} s" if self.ttft_s is not None else "TTFT –",
                  f"{self.tokens_per_s:.1f} tok/s" if self.tokens_per_s is not None
@@ -81,4 +81,4 @@ class AnswerStats:
             parts.append(f"prompt {self.prompt_tokens} tokens")
         if self.stopped:
             parts.append("stopped")
-        return "*" + " · ".join(parts) + "*"
+        return " · ".join(parts)

@@ -31,8 +31,8 @@ CHROMIUM = Path(os.environ.get("PHI3V_TEST_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 UI_READY_TIMEOUT_S = 90
-#: Answer footer written by ui/stats.py, e.g. "TTFT 0.42 s · 9.8 tok/s · 24 tokens · prompt
-#: 330 tokens".
+#: The statistics line under each answer (ui/stats.py, shown by ui/public/elements/Stats.jsx),
+#: e.g. "TTFT 0.42 s · 9.8 tok/s · 24 tokens · prompt 330 tokens".
 STATS_RE = re.compile(r"TTFT (?P<ttft>[\d.]+) s · (?P<tps>[\d.]+|–) tok/s · (?P<tokens>\d+) "
                       r"tokens(?: · prompt (?P<prompt>\d+) tokens)?")
 

@@ -244,6 +244,7 @@ async def test_conversation_resumes_after_reload_with_its_image(chat, image_chat
         "() => { const i = document.querySelector('[data-step-type=user_message] img');"
         " return i && i.complete && i.naturalWidth > 0; }", timeout=20_000)
     assert await chat.page.locator(ChatPage.USER, has_text=image_chat["question"]).count() == 1
+    await chat.wait_assistant(0, "TTFT", timeout_s=20)  # the statistics element has rendered
     answers = await chat.assistant_texts()
     assert [" ".join(a.split()) for a in answers] == [" ".join(image_chat["final"].split())]
     # the resumed chat continues, the stored image back in the model's history

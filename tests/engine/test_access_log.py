@@ -1,7 +1,8 @@
 """JSON logs of a real server (``--log-format json``, ``serve.logs``): every line of its output
 is one JSON object, each request has one access record under the id its ``X-Request-Id``
 header gave the client, and no record holds prompt content unless ``--enable-log-requests``
-asks for it."""
+asks for it. The servers are the session's ``gateway`` (JSON logs) and ``verbose_server``
+(JSON logs with prompts), shared with other tests: records are found by request id."""
 
 from __future__ import annotations
 
@@ -11,22 +12,20 @@ import time
 
 import httpx
 
-from tests.helpers import data_url, start_server, stop_server
+from tests.helpers import data_url
 
 #: Text no server writes unless it logs prompts.
 SECRET = "quartz-zebra-47 marmalade"
-#: Flags of every server here: JSON logs, and no progress bar (vLLM's weight loading).
-JSON_LOGS = ["--log-format", "json", "--no-use-tqdm-on-load"]
 #: Output lines that are no log record (``serve.logs``): PyTorch's C++ warnings, and what a
 #: process logs before it configures logging (vLLM's Triton check when vLLM is imported, in
 #: the API process and in the engine-core process).
 NOT_RECORDS = re.compile(r"^\[[WIE]\d{4} |^Triton is installed")
 
 
-def log_lines(server, requests: int) -> list[dict]:
-    """The running server's output (stdout and stderr) once it holds the access records of
-    ``requests`` generation requests (written as each answer ends): every line but
-    :data:`NOT_RECORDS` parsed as JSON."""
+def log_lines(server, request_ids=()) -> list[dict]:
+    """The running server's output (stdout and stderr), every line but :data:`NOT_RECORDS`
+    parsed as JSON, once it holds the access record of each of ``request_ids`` (written as
+    each answer ends; 30 s at most)."""
     deadline = time.monotonic() + 30
     while True:
         lines = [line for line in server.log_path.read_text().splitlines()
@@ -34,9 +33,8 @@ def log_lines(server, requests: int) -> list[dict]:
         bad = [line for line in lines if not _is_json(line)]
         assert not bad, f"{len(bad)} of {len(lines)} lines are not JSON:\n" + "\n".join(bad[:20])
         records = [json.loads(line) for line in lines]
-        done = [r for r in records if r["logger"] == "serve.access"
-                and r["route"] == "/v1/chat/completions"]
-        if len(done) >= requests or time.monotonic() > deadline:
+        logged = {r.get("request_id") for r in records if r["logger"] == "serve.access"}
+        if set(request_ids) <= logged or time.monotonic() > deadline:
             return records
         time.sleep(0.2)
 
@@ -62,28 +60,24 @@ def chat(server, content, **extra) -> dict:
             "messages": [{"role": "user", "content": content}], **extra}
 
 
-def test_json_logs_one_access_record_per_request_and_no_prompt(images):
-    srv = start_server(JSON_LOGS, name="access-log-json")
-    try:
-        url = f"{srv.base_url}/v1/chat/completions"
-        answers = {}
-        with httpx.Client(timeout=120) as client:
-            answers["text"] = client.post(url, json=chat(srv, f"Say {SECRET}."))
-            with client.stream("POST", url, json=chat(srv, f"Tell {SECRET}.", stream=True)) as r:
-                r.read()
-                answers["stream"] = r
-            photo = data_url(images / "chelsea.png")
-            answers["image"] = client.post(url, json=chat(srv, [
-                {"type": "text", "text": f"What is this? {SECRET}"},
-                {"type": "image_url", "image_url": {"url": photo}}]))
-            answers["refused"] = client.post(url, json=chat(srv, SECRET, max_tokens=0))
-        lines = log_lines(srv, len(answers))
-    finally:
-        stop_server(srv)
+def test_json_logs_one_access_record_per_request_and_no_prompt(gateway, images):
+    srv = gateway.server
+    url = f"{srv.base_url}/v1/chat/completions"
+    answers = {}
+    with httpx.Client(timeout=120, headers=gateway.auth) as client:
+        answers["text"] = client.post(url, json=chat(srv, f"Say {SECRET}."))
+        with client.stream("POST", url, json=chat(srv, f"Tell {SECRET}.", stream=True)) as r:
+            r.read()
+            answers["stream"] = r
+        photo = data_url(images / "chelsea.png")
+        answers["image"] = client.post(url, json=chat(srv, [
+            {"type": "text", "text": f"What is this? {SECRET}"},
+            {"type": "image_url", "image_url": {"url": photo}}]))
+        answers["refused"] = client.post(url, json=chat(srv, SECRET, max_tokens=0))
+    lines = log_lines(srv, [a.headers["x-request-id"] for a in answers.values()])
 
     assert [a.status_code for a in answers.values()] == [200, 200, 200, 400]
     records = access_records(lines)
-    assert len(records) == len(answers)
     for name, answer in answers.items():
         record = records[answer.headers["x-request-id"]]
         assert record["status"] == answer.status_code and record["method"] == "POST", name
@@ -105,16 +99,13 @@ def test_json_logs_one_access_record_per_request_and_no_prompt(images):
     assert not [r for r in lines if r["logger"] == "uvicorn.access"]  # ours replaces it
 
 
-def test_enable_log_requests_puts_the_prompt_in_the_access_record():
-    srv = start_server([*JSON_LOGS, "--enable-log-requests"], name="access-log-requests")
-    try:
-        answer = httpx.post(f"{srv.base_url}/v1/chat/completions",
-                            json=chat(srv, f"Say {SECRET}."), timeout=120)
-        lines = log_lines(srv, 1)
-    finally:
-        stop_server(srv)
+def test_enable_log_requests_puts_the_prompt_in_the_access_record(verbose_server):
+    srv = verbose_server
+    answer = httpx.post(f"{srv.base_url}/v1/chat/completions",
+                        json=chat(srv, f"Say {SECRET}."), timeout=120)
     assert answer.status_code == 200
     request_id = answer.headers["x-request-id"]
+    lines = log_lines(srv, [request_id])
     record = access_records(lines)[request_id]
     assert record["content"]["messages"] == [{"role": "user", "text": f"Say {SECRET}."}]
     # vLLM's own request log (its --enable-log-requests) carries the same request id.

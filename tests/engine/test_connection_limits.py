@@ -1,7 +1,9 @@
 """Connection limits (``serve/http_limits.py``) on a real server, over raw sockets: slow and
 silent clients are cut at their deadlines (408 where an answer is possible), the connection
 cap makes room by closing an idle connection or refuses, slow but honest clients get through,
-and an idle connection outlives uvicorn's default keep-alive.
+an idle connection outlives uvicorn's default keep-alive, and ``--image-urls`` under a burst:
+one valid URL among 13 that hang or drip, round after round, is answered every time while each
+bad one gets its own documented 400 (the fetch deadline, naming the field), never a 5xx.
 
 One server for the module with short limits, set through ``PHI3V_*`` variables (a server
 without these settings ignores them, so on such a server these tests fail on the behaviour,
@@ -10,6 +12,7 @@ not on an unknown flag).
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import http.server
 import json
@@ -23,7 +26,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from tests.helpers import data_url, png_bytes, start_server, stop_server
+from tests.helpers import IMAGES, ImagePeer, data_url, png_bytes, start_server, stop_server
 
 HEAD_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 2.0
@@ -35,6 +38,11 @@ MAX_CONNECTIONS = 48
 #: two-core machine that also runs the engine.
 SLACK_S = 2.0
 IMAGE_DELAY_S = 3.0  # the slow image host: longer than the head and body deadlines
+#: --image-url-timeout-s: above the slow image host's delay, which must be served.
+URL_DEADLINE_S = 4.0
+#: How long the burst rounds run (each takes about the URL deadline; 5 rounds at least).
+STRESS_S = 20.0
+FIELD = "messages[0].content[0].image_url"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +77,8 @@ def limited():
            "PHI3V_HTTP_KEEP_ALIVE_TIMEOUT_S": str(KEEP_ALIVE_S),
            "PHI3V_MAX_CONNECTIONS": str(MAX_CONNECTIONS)}
     srv = start_server(["--image-urls", "--image-url-allowlist", json.dumps(["127.0.0.2"]),
-                        "--image-url-allowed-networks", json.dumps(["127.0.0.2/32"])],
+                        "--image-url-allowed-networks", json.dumps(["127.0.0.2/32"]),
+                        "--image-url-timeout-s", str(URL_DEADLINE_S)],
                        env=env, name="limited-server")
     yield srv
     stop_server(srv)
@@ -293,3 +302,45 @@ def test_an_idle_connection_outlives_uvicorns_default_keep_alive(limited):
                 pytest.fail(f"the server closed a connection idle for {pause} s")
             resp.read()
             assert resp.status == 200
+
+
+# --- image URLs under a burst -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def peer():
+    server = ImagePeer((IMAGES / "chelsea.png").read_bytes())
+    yield server.base
+    server.close()
+
+
+async def ask(client: httpx.AsyncClient, srv, url: str, stream: bool) -> tuple[int, str]:
+    body = {"model": srv.model, "max_tokens": 2, "stream": stream, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                     {"type": "text", "text": "What is this?"}]}]}
+    async with client.stream("POST", f"{srv.base_url}/v1/chat/completions", json=body) as r:
+        return r.status_code, (await r.aread()).decode()
+
+
+async def test_a_valid_url_among_hanging_and_dripping_ones(limited, peer):
+    srv = limited
+    errors_before = srv.metric("phi3v_http_responses_total",
+                               {"route": "/v1/chat/completions", "code": "500"})
+    rounds = 0
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+        end = time.monotonic() + STRESS_S
+        while time.monotonic() < end or rounds < 5:
+            # The valid one (non-streaming) first, the others right behind it; half of those
+            # streaming. Query strings keep every URL distinct.
+            jobs = [ask(client, srv, f"{peer}/img.png?{rounds}", stream=False)]
+            jobs += [ask(client, srv, f"{peer}/{'hang' if i % 2 else 'drip'}/{rounds}-{i}",
+                         stream=i % 4 < 2) for i in range(13)]
+            (status, text), *bad = await asyncio.gather(*jobs)
+            assert status == 200, (rounds, status, text[:300])
+            assert json.loads(text)["choices"][0]["finish_reason"], text[:300]
+            for code, text in bad:
+                assert code == 400, (rounds, code, text[:300])
+                error = json.loads(text)["error"]
+                assert error["param"] == FIELD, error
+                assert error["message"] == f"image URL did not deliver within {URL_DEADLINE_S:g} s"
+            rounds += 1
+    assert srv.metric("phi3v_http_responses_total",
+                      {"route": "/v1/chat/completions", "code": "500"}) == errors_before

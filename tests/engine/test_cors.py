@@ -1,27 +1,23 @@
-"""CORS on the real server (``serve.cors``): ``--allowed-origins`` with API keys on. A
-browser's preflight is answered before auth, every answer to an allowed origin carries one
-``Access-Control-Allow-Origin`` (vLLM's own CORS layer is off its app), and without
-``--allowed-origins`` no answer carries any CORS header."""
+"""CORS on the real server (``serve.cors``): ``--allowed-origins`` with API keys on (the
+session's ``gateway``). A browser's preflight is answered before auth, every answer to an
+allowed origin carries one ``Access-Control-Allow-Origin`` (vLLM's own CORS layer is off its
+app), and without ``--allowed-origins`` (the session's ``server``) no answer carries any CORS
+header."""
 
 from __future__ import annotations
-
-import json
 
 import httpx
 import pytest
 
-from tests.helpers import start_server, stop_server
+from tests.helpers import GATEWAY_KEY as KEY
+from tests.helpers import GATEWAY_ORIGIN as ALLOWED
 
-ALLOWED, OTHER = "http://app.example", "http://evil.example"
-KEY = "k"
+OTHER = "http://evil.example"
 
 
 @pytest.fixture(scope="module")
-def cors_server():
-    srv = start_server(["--api-keys", json.dumps([KEY]),
-                        "--allowed-origins", json.dumps([ALLOWED])], name="cors")
-    yield srv
-    stop_server(srv)
+def cors_server(gateway):
+    return gateway.server
 
 
 def preflight(server, origin: str, path: str = "/v1/chat/completions") -> httpx.Response:

@@ -17,11 +17,11 @@ import pytest
 from PIL import Image
 
 from serve.sse import DONE, data_event
-from tests.helpers import data_url, free_port, png_bytes, start_server, stop_server
+from tests.helpers import GATEWAY_KEY, GATEWAY_MAX_BODY, data_url, free_port, png_bytes
 
-KEY = "test-key-123"
+KEY = GATEWAY_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_BODY = 3 * 2**20
+MAX_BODY = GATEWAY_MAX_BODY
 
 
 class Canary:
@@ -108,16 +108,8 @@ def allowed_host(canary, images):
 
 
 @pytest.fixture(scope="module")
-def hostile_server(canary):
-    allow = ["127.0.0.2", "localhost", "127.0.0.1", "127.1", "0x7f000001", "::1"]
-    srv = start_server([
-        "--api-keys", json.dumps([KEY]), "--image-urls",
-        "--image-url-allowlist", json.dumps(allow),
-        "--image-url-allowed-networks", json.dumps(["127.0.0.2/32"]),
-        "--max-request-bytes", str(MAX_BODY),
-    ], name="hostile-server")
-    yield srv
-    stop_server(srv)
+def hostile_server(gateway):
+    return gateway.server
 
 
 def chat_body(srv, content, **extra) -> dict:

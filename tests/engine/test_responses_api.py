@@ -9,7 +9,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.helpers import IMAGES, data_url, start_server, stop_server
+from tests.helpers import IMAGES, data_url
 
 
 # --- the real server (session fixture) ---------------------------------------------------------
@@ -87,12 +87,10 @@ def test_cut_stream_ends_with_response_completed_and_the_sdk_helper_returns_it(s
 
 
 @pytest.fixture(scope="module")
-def incomplete_event_server():
-    """A server with ``--responses-incomplete-event incomplete`` (OpenAI's event name)."""
-    srv = start_server(["--responses-incomplete-event", "incomplete"],
-                       name="incomplete-event-server")
-    yield srv
-    stop_server(srv)
+def incomplete_event_server(verbose_server):
+    """A server with ``--responses-incomplete-event incomplete`` (OpenAI's event name): the
+    session's ``verbose_server``."""
+    return verbose_server
 
 
 def test_cut_stream_ends_with_response_incomplete_when_configured(incomplete_event_server):

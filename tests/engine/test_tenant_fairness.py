@@ -9,8 +9,6 @@ request's TTFT is the client's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import random
 import time
 from dataclasses import dataclass
@@ -18,8 +16,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from serve import keys as keys_cli
-from tests.helpers import start_server, stop_server
+from tests.helpers import add_key, start_server, stop_server
 
 #: Output tokens of every request: the same work each, so completions split as slots do.
 MAX_TOKENS = 24
@@ -28,20 +25,13 @@ SLO_TTFT_S = 10.0
 SLO_ITL_S = 1.0
 
 
-def new_key(path, tenant: str, *flags: str) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert keys_cli.main(["--file", str(path), "add", "--tenant", tenant, *flags]) == 0
-    return out.getvalue().strip().splitlines()[-1]
-
-
 @pytest.fixture(scope="module")
 def tenants_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
-    tokens = {"flood": new_key(path, "flood"), "light": new_key(path, "light"),
-              "alone": new_key(path, "alone"),
-              "heavy": new_key(path, "heavy", "--weight", "3"),
-              "lighter": new_key(path, "lighter", "--weight", "1")}
+    tokens = {"flood": add_key(path, "flood"), "light": add_key(path, "light"),
+              "alone": add_key(path, "alone"),
+              "heavy": add_key(path, "heavy", "--weight", "3"),
+              "lighter": add_key(path, "lighter", "--weight", "1")}
     srv = start_server(["--keys-file", str(path), "--max-num-seqs", "8",
                         "--slo-ttft-s", str(SLO_TTFT_S), "--slo-itl-s", str(SLO_ITL_S),
                         "--max-queue-wait-s", str(SLO_TTFT_S), "--autotune-interval-s", "0.5"],

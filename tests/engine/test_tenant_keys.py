@@ -10,25 +10,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 from serve.keys import RELOAD_CHECK_S
-from tests.engine.test_access_log import JSON_LOGS, log_lines
-from tests.helpers import ROOT, start_server, stop_server
-
-PLAIN = "plain-key"
-
-
-def keys_cli(path, *argv: str) -> str:
-    """``python -m serve.keys --file PATH *argv`` as an operator runs it; its stdout."""
-    done = subprocess.run([sys.executable, "-m", "serve.keys", "--file", str(path), *argv],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
-    return done.stdout.strip()
+from tests.engine.test_access_log import log_lines
+from tests.helpers import GATEWAY_KEY as PLAIN
+from tests.helpers import add_key, keys_cli
 
 
 def key_ids(path) -> list[str]:
@@ -36,17 +26,10 @@ def key_ids(path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory):
-    """A server with a keys file (tenants team-a, chat-ui as a trusted front end, ops as
-    admin) and a plain ``--api-keys`` key; yields (server, keys file, tokens by tenant)."""
-    path = tmp_path_factory.mktemp("keys") / "keys.json"
-    tokens = {"team-a": keys_cli(path, "add", "--tenant", "team-a"),
-              "chat-ui": keys_cli(path, "add", "--tenant", "chat-ui", "--trusted-frontend"),
-              "ops": keys_cli(path, "add", "--tenant", "ops", "--admin")}
-    srv = start_server([*JSON_LOGS, "--keys-file", str(path),
-                        "--api-keys", json.dumps([PLAIN])], name="tenant-keys")
-    yield srv, path, tokens
-    stop_server(srv)
+def keyed(gateway):
+    """The session's ``gateway``: a keys file (tenants team-a, chat-ui as a trusted front end,
+    ops as admin) and a plain ``--api-keys`` key; (server, keys file, tokens by tenant)."""
+    return gateway.server, gateway.keys_file, gateway.tokens
 
 
 def get(server, route: str, key: str | None) -> httpx.Response:
@@ -83,13 +66,8 @@ def test_the_access_record_names_the_tenant_and_the_user(keyed):
         ids[r.headers["x-request-id"]] = tenant
     too_long = chat(srv, tokens["team-a"], user="u" * 257)
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "user"
-    deadline = time.monotonic() + 30
-    while True:  # each record is written as its answer ends
-        records = {r["request_id"]: r for r in log_lines(srv, 0)
-                   if r["logger"] == "serve.access"}
-        if set(ids) <= set(records) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    records = {r["request_id"]: r for r in log_lines(srv, ids)
+               if r["logger"] == "serve.access"}
     for request_id, tenant in ids.items():
         assert records[request_id]["tenant"] == tenant
         assert records[request_id]["user"] == f"alice-of-{tenant}"
@@ -97,7 +75,7 @@ def test_the_access_record_names_the_tenant_and_the_user(keyed):
 
 def test_a_revoked_key_is_refused_within_the_check_and_like_an_unknown_one(keyed):
     srv, path, _ = keyed
-    token = keys_cli(path, "add", "--tenant", "team-a")
+    token = add_key(path, "team-a")
     deadline = time.monotonic() + 2 * RELOAD_CHECK_S + 1
     while get(srv, "/v1/models", token).status_code != 200:  # the new key, once loaded
         assert time.monotonic() < deadline, "a new key was not loaded"
@@ -121,7 +99,7 @@ def test_sighup_reloads_and_the_server_keeps_serving(keyed):
     srv, path, tokens = keyed
     os.kill(srv.proc.pid, signal.SIGHUP)
     deadline = time.monotonic() + 10
-    while not any("SIGHUP" in r.get("message", "") for r in log_lines(srv, 0)):
+    while not any("SIGHUP" in r.get("message", "") for r in log_lines(srv)):
         assert time.monotonic() < deadline, "no SIGHUP reload logged"
         time.sleep(0.1)
     assert srv.proc.poll() is None

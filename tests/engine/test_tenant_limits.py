@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from tests.helpers import ROOT, start_server, stop_server
+from tests.helpers import add_key, start_server, stop_server
 
 #: Tokens every budgeted tenant may use: one answer of :data:`ANSWER_TOKENS` plus its short
 #: prompt (8 tokens) fits, a second request does not.
@@ -30,19 +28,11 @@ TENANTS = {
 }
 
 
-def add_key(keys_file, tenant: str, flags: list[str]) -> str:
-    """A new key of ``tenant`` (created with ``flags``), through the keys CLI; its token."""
-    out = subprocess.run([sys.executable, "-m", "serve.keys", "--file", str(keys_file), "add",
-                          "--tenant", tenant, *flags], cwd=ROOT, capture_output=True,
-                         text=True, check=True)
-    return out.stdout.strip()
-
-
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     """The keys file and a token of each tenant of :data:`TENANTS`."""
     path = tmp_path_factory.mktemp("tenants") / "keys.json"
-    return path, {name: add_key(path, name, flags) for name, flags in TENANTS.items()}
+    return path, {name: add_key(path, name, *flags) for name, flags in TENANTS.items()}
 
 
 def body(server, max_tokens: int = ANSWER_TOKENS, stream: bool = False) -> dict:

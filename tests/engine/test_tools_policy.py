@@ -1,14 +1,15 @@
 """``--tools`` end to end on the real server: ``refuse`` (the default) is a 400 naming the
 field, ``ignore`` answers without the tools and says so in ``X-Tools-Ignored`` (streamed or
 not, chat and Responses API), ``pass`` hands the tools to vLLM (whose Phi-3-vision setup has
-no tool parser: its own answers show the request reached it)."""
+no tool parser: its own answers show the request reached it). ``ignore`` is the session's
+``gateway`` (API keys on), ``pass`` its ``verbose_server``."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from tests.helpers import start_server, stop_server
+from tests.helpers import GATEWAY_KEY
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -16,25 +17,26 @@ CALL = {"id": "call_1", "type": "function",
         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
 
 
-@pytest.fixture(scope="module")
-def ignoring():
-    srv = start_server(["--tools", "ignore"], name="tools-ignore")
-    yield srv
-    stop_server(srv)
+#: The gateway's key (the other servers take none and ignore the header).
+AUTH = {"Authorization": f"Bearer {GATEWAY_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def passing():
-    srv = start_server(["--tools", "pass"], name="tools-pass")
-    yield srv
-    stop_server(srv)
+def ignoring(gateway):
+    return gateway.server
+
+
+@pytest.fixture(scope="module")
+def passing(verbose_server):
+    return verbose_server
 
 
 def chat(server, messages: list | None = None, **fields) -> httpx.Response:
     body = {"model": server.model, "max_tokens": 3, "ignore_eos": True,  # random weights
             "messages": messages or [{"role": "user", "content": "Weather in Paris?"}],
             **fields}
-    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120,
+                      headers=AUTH)
 
 
 def test_refuse_is_a_400_naming_the_field(server):
@@ -57,11 +59,11 @@ def test_ignore_answers_without_the_tools_and_says_so(ignoring):
             "tools": TOOLS,
             "messages": [{"role": "user", "content": "Weather in Paris?"}]}
     with httpx.stream("POST", f"{ignoring.base_url}/v1/chat/completions", json=body,
-                      timeout=120) as streamed:
+                      timeout=120, headers=AUTH) as streamed:
         text = streamed.read().decode()
     assert streamed.status_code == 200 and streamed.headers["x-tools-ignored"] == "tools"
     assert '"content"' in text and "data: [DONE]" in text
-    responses = httpx.post(f"{ignoring.base_url}/v1/responses", timeout=120, json={
+    responses = httpx.post(f"{ignoring.base_url}/v1/responses", timeout=120, headers=AUTH, json={
         "model": ignoring.model, "max_output_tokens": 3, "input": "Weather in Paris?",
         "tools": [{"type": "function", "name": "weather", "parameters": {}}]})
     assert responses.status_code == 200, responses.text

@@ -2,21 +2,19 @@
 flag) sends the gateway's spans and vLLM's ``llm_request`` to one collector, here a minimal
 OTLP/gRPC receiver on loopback (the protocol vLLM and the gateway use by default), and each
 request is one tree: the gateway's server span (continuing the client's ``traceparent``) with
-``intake``, ``admission`` and vLLM's ``llm_request`` as its children."""
+``intake``, ``admission`` and vLLM's ``llm_request`` as its children. The server is the
+session's ``gateway``; its other tests' traces go to the same receiver."""
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent import futures
 
-import grpc
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from serve.tracing import SERVICE_NAME, VLLM_SERVICE_NAME
-from tests.helpers import start_server, stop_server
+from tests.helpers import GATEWAY_KEY
+from tests.otlp import Receiver
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -25,44 +23,10 @@ SERVER_SPAN = "POST /v1/chat/completions"
 EXPORT_TIMEOUT_S = 60
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace collector on 127.0.0.1 keeping every span with its service name."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, object]] = []
-        self.lock = threading.Lock()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-    def Export(self, request, context):  # noqa: N802 (the gRPC method's name)
-        with self.lock:
-            for resource_spans in request.resource_spans:
-                service = next((a.value.string_value for a in resource_spans.resource.attributes
-                                if a.key == "service.name"), "")
-                for scope_spans in resource_spans.scope_spans:
-                    self.spans.extend((service, span) for span in scope_spans.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def snapshot(self) -> list[tuple[str, object]]:
-        with self.lock:
-            return list(self.spans)
-
-    def close(self) -> None:
-        self.server.stop(0)
-
-
 @pytest.fixture(scope="module")
-def traced():
-    receiver = Receiver()
-    srv = start_server(["--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.port}"],
-                       env={"OTEL_BSP_SCHEDULE_DELAY": "200",
-                            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"},
-                       name="traced-server")
-    yield srv, receiver
-    stop_server(srv)
-    receiver.close()
+def traced(gateway):
+    """The session's ``gateway``, whose spans and vLLM's go to its OTLP receiver."""
+    return gateway.server, gateway.receiver
 
 
 def attributes(span) -> dict:
@@ -87,10 +51,11 @@ def test_one_trace_per_request_from_the_client_through_the_gateway_to_vllm(trace
     body = {"model": srv.model, "max_tokens": 4,
             "messages": [{"role": "user", "content": "Hello"}]}
     url = f"{srv.base_url}/v1/chat/completions"
-    with_parent = httpx.post(url, json=body, timeout=120,
-                             headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
+    auth = {"Authorization": f"Bearer {GATEWAY_KEY}"}
+    with_parent = httpx.post(url, json=body, timeout=120, headers={
+        **auth, "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
     assert with_parent.status_code == 200, with_parent.text
-    without = httpx.post(url, json=body, timeout=120)
+    without = httpx.post(url, json=body, timeout=120, headers=auth)
     assert without.status_code == 200, without.text
 
     # The second request's trace is the gateway's: find it by its request id.

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
+
+import pytest
 
 from serve.settings import Settings
-from tests.helpers import ROOT
+from tests.helpers import ROOT, TINY_MODEL, serve_cli
 
 
 def run(*cmd: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -14,7 +15,7 @@ def run(*cmd: str, timeout: int = 120) -> subprocess.CompletedProcess:
 
 
 def test_help_documents_every_setting():
-    res = run(sys.executable, "-m", "serve", "--help=all")
+    res = serve_cli("--help=all")
     assert res.returncode == 0, res.stderr
     for name, field in Settings.model_fields.items():
         if name == "vllm_args":  # the vLLM flags given, not a flag of its own
@@ -25,7 +26,7 @@ def test_help_documents_every_setting():
 
 
 def test_missing_model_dir_names_make_demo():
-    res = run(sys.executable, "-m", "serve", "--model", "/nonexistent/model")
+    res = serve_cli("--model", "/nonexistent/model")
     assert res.returncode == 2
     assert "make demo" in res.stderr and "Traceback" not in res.stderr
 
@@ -40,34 +41,22 @@ def test_make_serve_without_weights_is_a_clear_message(tmp_path):
 def test_raw_vllm_baseline_gets_exactly_our_engine_arguments():
     """``make bench``'s raw vLLM runs the engine our settings describe: vLLM's own parser reads
     back every engine argument, on CPU and GPU defaults alike."""
-    code = """
-import json
-from serve.engine import vllm_cli_args
-from serve.settings import Settings
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-out = []
-for device in ("cpu", "cuda"):
-    s = Settings(device=device, port=8123, max_num_seqs=48)
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(s))
-    out.append({k: [v, getattr(args, k)] for k, v in s.engine_kwargs().items()}
-               | {"port": [8123, args.port]})
-print(json.dumps(out))
-"""
-    res = run(sys.executable, "-c", code)
-    assert res.returncode == 0, res.stderr[-2000:]
-    import json
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    for device in json.loads(res.stdout.strip().splitlines()[-1]):
-        assert device["max_num_seqs"] == [48, 48]
-        for key, (ours, parsed) in device.items():
-            assert ours == parsed, key
+    from serve.engine import vllm_cli_args
+
+    for device in ("cpu", "cuda"):
+        s = Settings(device=device, port=8123, max_num_seqs=48)
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_cli_args(s))
+        assert args.max_num_seqs == 48 and args.port == 8123
+        for key, ours in s.engine_kwargs().items():
+            assert getattr(args, key) == ours, (device, key)
 
 
 def test_step_budget_smaller_than_the_largest_image_is_refused_at_start():
-    from tests.helpers import TINY_MODEL
-
-    res = run(sys.executable, "-m", "serve", "--model", str(TINY_MODEL),
-              "--max-num-batched-tokens", "64", "--max-num-crops", "16")
+    res = serve_cli("--model", str(TINY_MODEL), "--max-num-batched-tokens", "64",
+                    "--max-num-crops", "16")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "--max-num-batched-tokens 64" in res.stderr and "--max-num-crops 16" in res.stderr

@@ -7,8 +7,6 @@ routes: a flag a new vLLM release adds must be classified before it is silently 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
@@ -23,7 +21,7 @@ from serve.cli import (  # noqa: E402
     shared_fields,
 )
 from serve.engine import build_engine_args, vllm_frontend_args  # noqa: E402
-from tests.helpers import ROOT, TINY_MODEL  # noqa: E402
+from tests.helpers import TINY_MODEL, CliResult, serve_cli  # noqa: E402
 
 
 def vllm_parser():
@@ -138,9 +136,8 @@ def test_refused_and_invalid_values_name_the_flag():
         parse_settings(["--max-queue", "many"], environ={})
 
 
-def run(*argv: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "serve", *argv], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout)
+def run(*argv: str) -> CliResult:
+    return serve_cli(*argv)
 
 
 def test_unknown_flag_stops_the_start_naming_the_nearest(tmp_path):

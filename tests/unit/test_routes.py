@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from serve.routes import CLOSED, GENERATE, OPTIONAL, SERVED, RouteTable
-from tests.helpers import ROOT, TINY_MODEL
+from tests.helpers import TINY_MODEL, serve_cli
 
 
 def test_policies_and_templates():
@@ -29,8 +26,6 @@ def test_policies_and_templates():
 
 
 def test_open_routes_refuses_a_closed_route_at_start():
-    res = subprocess.run([sys.executable, "-m", "serve", "--model", str(TINY_MODEL),
-                          "--open-routes", "/inference/v1/generate"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    res = serve_cli("--model", str(TINY_MODEL), "--open-routes", "/inference/v1/generate")
     assert res.returncode == 2 and "--open-routes accepts only" in res.stderr
     assert "Traceback" not in res.stderr

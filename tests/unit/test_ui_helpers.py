@@ -327,9 +327,9 @@ def test_answer_stats():
     stats.on_usage({"completion_tokens": 4, "prompt_tokens": 330})
     assert stats.ttft_s == pytest.approx(0.5)
     assert stats.tokens_per_s == pytest.approx(3.0)  # 3 tokens after the first in 1.0 s
-    assert stats.footer() == "*TTFT 0.50 s · 3.0 tok/s · 4 tokens · prompt 330 tokens*"
-    assert STATS_RE.search(stats.footer().strip("*"))
+    assert stats.line() == "TTFT 0.50 s · 3.0 tok/s · 4 tokens · prompt 330 tokens"
+    assert STATS_RE.search(stats.line())
     stopped = AnswerStats(clock=iter([0.0, 1.0]).__next__)
     stopped.on_token()
     stopped.stopped = True
-    assert stopped.footer() == "*TTFT 1.00 s · – tok/s · 1 tokens · stopped*"
+    assert stopped.line() == "TTFT 1.00 s · – tok/s · 1 tokens · stopped"
