@@ -27,8 +27,6 @@ import httpx
 import pytest
 
 from tests.browser.helpers import (
-    CHROMIUM,
-    CHROMIUM_ARGS,
     STATS_RE,
     ChatPage,
     local_only,
@@ -36,6 +34,7 @@ from tests.browser.helpers import (
     stop_ui,
 )
 from tests.browser.proxy import RecordingProxy
+from tests.browser.test_ui import browser  # noqa: F401 - fixture
 from tests.helpers import ARTIFACTS, IMAGES
 
 #: max_tokens of the answers (~0.1 s per token on this CPU).
@@ -73,19 +72,7 @@ def ui(proxy, ui_data):
 
 
 @pytest.fixture(scope="module")
-async def browser():
-    from playwright.async_api import async_playwright
-
-    assert CHROMIUM.is_file(), f"{CHROMIUM} missing: apt-get install -y chromium"
-    async with async_playwright() as pw:
-        b = await pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                     args=CHROMIUM_ARGS)
-        yield b
-        await b.close()
-
-
-@pytest.fixture(scope="module")
-async def chat(browser, ui) -> ChatPage:
+async def chat(browser, ui) -> ChatPage:  # noqa: F811
     """One logged-in page for the module, allowed to use the clipboard."""
     context = await browser.new_context(viewport={"width": 1280, "height": 900},
                                         accept_downloads=True)
