@@ -30,12 +30,19 @@ from tests.helpers import (
 TIERS = ("unit", "engine", "browser")
 
 
+def _tier(item) -> str:
+    return Path(str(item.fspath)).parent.name
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark each test with the tier of its directory."""
+    """Mark each test with the tier of its directory, and run the tiers in the order of
+    :data:`TIERS` (files in their order within a tier): the unit tier first, before any
+    session server is started, so that its few timing checks never share the two cores with
+    idle engines kept for the session's later tests."""
     for item in items:
-        tier = Path(str(item.fspath)).parent.name
-        if tier in TIERS:
-            item.add_marker(getattr(pytest.mark, tier))
+        if _tier(item) in TIERS:
+            item.add_marker(getattr(pytest.mark, _tier(item)))
+    items.sort(key=lambda item: TIERS.index(_tier(item)) if _tier(item) in TIERS else len(TIERS))
 
 
 @pytest.fixture(scope="session")
