@@ -21,7 +21,7 @@ from serve.cli import (  # noqa: E402
     shared_fields,
 )
 from serve.engine import build_engine_args, vllm_frontend_args  # noqa: E402
-from tests.helpers import TINY_MODEL, CliResult, serve_cli  # noqa: E402
+from tests.helpers import TINY_MODEL, serve_cli  # noqa: E402
 
 
 def vllm_parser():
@@ -136,12 +136,8 @@ def test_refused_and_invalid_values_name_the_flag():
         parse_settings(["--max-queue", "many"], environ={})
 
 
-def run(*argv: str) -> CliResult:
-    return serve_cli(*argv)
-
-
 def test_unknown_flag_stops_the_start_naming_the_nearest(tmp_path):
-    res = run("--model", str(TINY_MODEL), "--max-queue-wiat-s", "3")
+    res = serve_cli("--model", str(TINY_MODEL), "--max-queue-wiat-s", "3")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "--max-queue-wiat-s: did you mean --max-queue-wait-s?" in res.stderr
 
@@ -149,11 +145,11 @@ def test_unknown_flag_stops_the_start_naming_the_nearest(tmp_path):
 def test_help_works_as_vllms_with_any_flags(tmp_path):
     config = tmp_path / "my.yaml"
     config.write_text("max-num-seqs: 12\n")
-    res = run("--quantization", "fp8", "--kv-cache-dtype", "auto", "--config", str(config),
+    res = serve_cli("--quantization", "fp8", "--kv-cache-dtype", "auto", "--config", str(config),
               "--help")
     assert res.returncode == 0, res.stderr[-2000:]
     for group in ("Frontend", "ModelConfig", "CacheConfig", "SchedulerConfig", "Gateway"):
         assert group in res.stdout
-    res = run("--help=gateway")
+    res = serve_cli("--help=gateway")
     assert res.returncode == 0 and "--max-queue-wait-s" in res.stdout
     assert "--quantization" not in res.stdout
