@@ -129,6 +129,7 @@ class Gateway:
         self._scrape_registry = registry
         self.admission = Admission.from_settings(settings, self.metrics)
         self.intake = Intake.from_settings(settings)
+        self.metrics.image_cache.cache = self.intake.cache
         #: Tenant limits and usage (``serve.accounting``, ``serve.quota``, ``serve.usage``).
         self.accounting = Accounting.from_settings(settings, self.metrics)
         #: API keys and their tenants (``serve.auth``, ``serve.keys``).

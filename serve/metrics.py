@@ -40,6 +40,10 @@ autoscalers use them (``monitoring/README.md`` lists them; a test keeps the two 
 | ``phi3v_tenant_refusals_total{tenant,reason}`` | counter | requests | tenant accounting (429) |
 | ``phi3v_tenant_good_requests_total{tenant}`` | counter | requests | tenant accounting (goodput) |
 | ``phi3v_tenant_budget_used_ratio{tenant,period}`` | gauge | ratio | quota, read at scrape |
+| ``phi3v_tenant_running_requests{tenant}`` | gauge | requests | fair queue, read at scrape |
+| ``phi3v_tenant_pending_requests{tenant}`` | gauge | requests | fair queue, read at scrape |
+| ``phi3v_image_cache_lookups_total{result}`` | counter | lookups | image cache, at scrape |
+| ``phi3v_image_cache_bytes`` | gauge | bytes | image cache, at scrape |
 
 The ``tenant`` label is a tenant's name from the keys file (``default`` without one): never a
 key, and bounded by the file.
@@ -172,6 +176,8 @@ class Metrics:
                            registry=r)
         # --- tenants (serve.accounting) ---------------------------------------------------
         self.tenants = TenantSeries(r)
+        # --- intake (serve.intake.cache) --------------------------------------------------
+        self.image_cache = ImageCacheSeries(r)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason=reason)
         for route in GENERATION_ROUTES:
@@ -214,7 +220,7 @@ class TenantSeries:
 
     Every tenant added (:meth:`add_tenant`) exports all its series at 0 (each token kind and
     refusal reason), so its rates exist before its first request. The budget gauge reads
-    :attr:`budgets` at scrape time.
+    :attr:`budgets` at scrape time, the slot gauges :attr:`slots`.
     """
 
     #: The counts of a tenant, in the order :meth:`count` keeps them.
@@ -227,6 +233,10 @@ class TenantSeries:
         self._refusals: dict[str, dict[str, int]] = {}
         #: ``(tenant, period, ratio)`` of every budget: bound by ``serve.accounting``.
         self.budgets: Callable[[], Iterable[tuple[str, str, float]]] = tuple
+        #: ``tenant -> (running, pending)``: the admission slots the tenant holds and its
+        #: requests waiting for one (``serve.admission.fair.FairQueue``); bound by
+        #: ``serve.admission.service``. None: the slot gauges are not exported.
+        self.slots: Callable[[str], tuple[int, int]] | None = None
         registry.register(self)
 
     def add_tenant(self, tenant: str) -> None:
@@ -255,19 +265,24 @@ class TenantSeries:
         return iter(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        requests, tokens, refusals, good, budget = self._families()
+        requests, tokens, refusals, good, budget, running, pending = self._families()
+        slots = self.slots
         for tenant, row in list(self._counts.items()):
             n, prompt, completion, image, good_n = tuple(row)
             requests.add_metric([tenant], n)
             for kind, value in zip(TOKEN_KINDS, (prompt, completion, image), strict=True):
                 tokens.add_metric([tenant, kind], value)
             good.add_metric([tenant], good_n)
+            if slots is not None:
+                held, waiting = slots(tenant)
+                running.add_metric([tenant], held)
+                pending.add_metric([tenant], waiting)
         for tenant, reasons in list(self._refusals.items()):
             for reason, n in list(reasons.items()):
                 refusals.add_metric([tenant, reason], n)
         for tenant, period, ratio in self.budgets():
             budget.add_metric([tenant, period], ratio)
-        return iter((requests, tokens, refusals, good, budget))
+        return iter((requests, tokens, refusals, good, budget, running, pending))
 
     @staticmethod
     def _families() -> tuple[Metric, ...]:
@@ -290,4 +305,54 @@ class TenantSeries:
                               "Share of each tenant's token budget used (tokens of the UTC day "
                               "or month / tokens_per_day or tokens_per_month); only tenants "
                               "with that budget.", labels=["tenant", "period"]),
+            GaugeMetricFamily("phi3v_tenant_running_requests",
+                              "Admission slots each tenant holds now: its requests admitted "
+                              "into the engine and not finished.", labels=["tenant"]),
+            GaugeMetricFamily("phi3v_tenant_pending_requests",
+                              "Requests of each tenant waiting at the gateway for a slot.",
+                              labels=["tenant"]),
+        )
+
+
+class ImageCacheSeries:
+    """``phi3v_image_cache_lookups_total{result}`` and ``phi3v_image_cache_bytes``: the
+    intake's cache of prepared images (``serve.intake.cache.ImageCache``), read at scrape time
+    from the cache's own counts, so a lookup costs nothing more. A chat client re-sends its
+    history's images every turn: a ``hit`` is such an image forwarded as the bytes vLLM saw
+    before (vLLM's ``vllm:mm_cache_hits_total`` then hits too, on the same replica).
+
+    Until :attr:`cache` is bound (``serve.app``) both series export 0.
+    """
+
+    #: ``result`` label values.
+    RESULTS = ("hit", "miss")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        #: The cache read at scrape: anything with ``hits``, ``misses`` and ``nbytes``.
+        self.cache = None
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        lookups, held = self._families()
+        cache = self.cache
+        hits, misses, nbytes = ((cache.hits, cache.misses, cache.nbytes) if cache is not None
+                                else (0, 0, 0))
+        lookups.add_metric(["hit"], hits)
+        lookups.add_metric(["miss"], misses)
+        held.add_metric([], nbytes)
+        return iter((lookups, held))
+
+    @staticmethod
+    def _families() -> tuple[Metric, ...]:
+        return (
+            CounterMetricFamily("phi3v_image_cache_lookups",
+                                "Lookups of the intake's prepared-image cache by result: "
+                                "hit (an image seen before, e.g. re-sent history) or miss.",
+                                labels=["result"]),
+            GaugeMetricFamily("phi3v_image_cache_bytes",
+                              "Bytes the intake's prepared-image cache holds "
+                              "(at most --image-cache-bytes)."),
         )

@@ -2,10 +2,16 @@
 
 The live limit (the autotuner's) says how many requests the engine holds; this module says
 *whose*. Waiting requests sit in one FIFO per tenant, and each slot that frees goes to the
-waiting tenant furthest below its weighted share of the slots in use: the smallest
-``in_flight / weight`` (ties: the earliest arrival). That is weighted max-min fairness by
+waiting tenant furthest below its weighted share of the slots in use once that slot is given:
+the smallest ``in_flight - share x (in use + 1)``, ``share`` being the tenant's weight over
+the active tenants' (ties: the earliest arrival). That is weighted max-min fairness by
 progressive filling (Bertsekas & Gallager, *Data Networks*, 2nd ed., section 6.5.2) applied
-to slots, the rule Kubernetes' API Priority and Fairness applies to its concurrency "seats":
+to whole slots, the largest-deficit pick of smooth weighted round robin (nginx's
+``upstream`` weights), and the rule Kubernetes' API Priority and Fairness applies to its
+concurrency "seats". The plain ratio ``in_flight / weight`` would be Adams' divisor method,
+which favours the lighter tenant whenever the split is not whole (Balinski & Young, *Fair
+Representation*, 2nd ed., 2001): with weights 3:1 holding 12:4 it gives a 17th slot to the
+lighter one (12:5, where the shares are 12.75:4.25).
 
 - **work-conserving**: a slot is never left free while anyone waits, so a tenant alone uses
   every slot, beyond its share;
@@ -153,15 +159,23 @@ class FairQueue(Generic[T]):
     def head(self) -> tuple[str, T] | None:
         """The tenant whose item the next free slot goes to, and that item (not removed);
         None when nothing waits."""
-        best: tuple[float, int, str] | None = None
-        for tenant in self._queues:
-            first = min((q[0][0] for q in self._queues[tenant].values() if q), default=None)
+        waiting = {}
+        for tenant, users in self._queues.items():
+            first = min((q[0][0] for q in users.values() if q), default=None)
             if first is not None:
-                key = (self._in_flight[tenant] / self.weight(tenant), first, tenant)
-                if best is None or key < best:
-                    best = key
-        if best is None:
+                waiting[tenant] = first
+        if not waiting:
             return None
+        # The deficit against the weighted share of the slots in use once this one is given,
+        # scaled by the active tenants' total weight (no division, so ties are exact).
+        total = sum(self.weight(t) for t in set(waiting) | {
+            t for t, n in self._in_flight.items() if n > 0})
+        in_use = sum(self._in_flight.values()) + 1
+        best: tuple[float, int, str] | None = None
+        for tenant, first in waiting.items():
+            key = (self._in_flight[tenant] * total - self.weight(tenant) * in_use, first, tenant)
+            if best is None or key < best:
+                best = key
         tenant = best[2]
         return tenant, self._queues[tenant][self._next_user(tenant)][0][1]
 

@@ -57,6 +57,7 @@ class Admission:
         m.queued.set_function(lambda: lim.pending + feed.engine_queue)
         m.running.set_function(lambda: lim.in_flight)
         m.max_num_seqs.set_function(lambda: lim.limit)
+        m.tenants.slots = lambda tenant: (lim.queue.in_flight(tenant), lim.queue.pending(tenant))
         config = self.loop.controller.config
         m.ceiling.set(config.ceiling)
         m.min_seqs.set(config.min_seqs)

@@ -1,9 +1,15 @@
-"""A real server started the way an operator of ``vllm serve`` would: a ``--config`` YAML
-of vLLM and gateway flags, vLLM flags on the command line, a ``PHI3V_*`` variable."""
+"""A real server started the way an operator of ``vllm serve`` would (a ``--config`` YAML
+of vLLM and gateway flags, vLLM flags on the command line, a ``PHI3V_*`` variable), and
+stopped the way a supervisor does: SIGTERM. With nothing running, the drain
+(``serve.lifecycle``) has nothing to wait for. The drain of running requests, and a lost
+engine, are ``test_lifecycle``'s."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import httpx
 
@@ -16,7 +22,7 @@ def test_config_file_vllm_flags_and_environment_reach_the_running_server(tmp_pat
                       "served-model-name: [phi3v, phi3v-alias]\n"
                       "enable-prefix-caching: false\n")
     srv = start_server(["--config", str(config), "--max-queue", "5",
-                        "--disable-uvicorn-access-log"],
+                        "--disable-uvicorn-access-log", "--drain-timeout-s", "30"],
                        env={"PHI3V_MAX_QUEUE_WAIT_S": "7"}, name="cli-config")
     try:
         models = httpx.get(f"{srv.url}/v1/models", timeout=10).json()
@@ -38,5 +44,12 @@ def test_config_file_vllm_flags_and_environment_reach_the_running_server(tmp_pat
         assert engine["max_num_seqs"] == "6" and engine["enable_prefix_caching"] == "False"
         # --disable-uvicorn-access-log: no access record either.
         assert '"logger": "serve.access"' not in log
+
+        # A quiet server stops at once on SIGTERM: exit 0, not the drain's grace (30 s).
+        t0 = time.monotonic()
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log_tail()
+        assert time.monotonic() - t0 < 15
+        assert "drained: no request running" in srv.log_tail(200)
     finally:
         stop_server(srv)

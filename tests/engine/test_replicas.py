@@ -52,6 +52,15 @@ CHAT = "/v1/chat/completions"
 #: vLLM's multimodal processor cache, per replica: it hits when a photo comes again as the same
 #: bytes, which the intake's image cache guarantees (``serve.intake.cache``).
 MM_CACHE_HITS = "vllm:mm_cache_hits_total"
+#: The intake's own history-image cache, per replica (``serve.metrics.ImageCacheSeries``).
+HISTORY_HITS = ("phi3v_image_cache_lookups_total", {"result": "hit"})
+
+
+def cache_hits(replica: Server) -> tuple[float, float]:
+    """``replica``'s (vLLM multimodal cache hits, history-image cache hits), one scrape."""
+    scrape = replica.metrics()
+    return (replica.metric(MM_CACHE_HITS, scrape=scrape),
+            replica.metric(*HISTORY_HITS, scrape=scrape))
 
 
 @dataclass
@@ -243,9 +252,10 @@ def engine_core(server: Server) -> psutil.Process:
 # --- affinity ------------------------------------------------------------------------------
 async def test_a_conversation_stays_on_its_replica_and_hits_its_cache(stack):
     """Four turns with one X-Session-ID, re-sending their photos as chat clients do: every
-    turn reaches the same replica, and from turn 2 on that replica's multimodal cache hits
-    (the intake forwards a re-sent photo as the same bytes, ``serve.intake.cache``); the
-    other replica sees none of it."""
+    turn reaches the same replica, and from turn 2 on that replica's history-image cache hits
+    (``phi3v_image_cache_lookups_total``), and so does vLLM's multimodal cache (the intake
+    forwards a re-sent photo as the same bytes, ``serve.intake.cache``); the other replica
+    sees none of it."""
     session = f"conv-{uuid.uuid4().hex[:8]}"
     new_photo = {1: image("chelsea.png"), 3: image("coffee.png")}  # re-sent on later turns
     messages: list[dict] = []
@@ -255,7 +265,7 @@ async def test_a_conversation_stays_on_its_replica_and_hits_its_cache(stack):
             text = {"type": "text", "text": f"Turn {turn}: and now?"}
             messages.append({"role": "user",
                              "content": [new_photo[turn], text] if turn in new_photo else [text]})
-            before = [s.metric(MM_CACHE_HITS) for s in stack.replicas]
+            before = [cache_hits(s) for s in stack.replicas]
             rid = request_id()
             body = {"model": stack.model.name, "max_tokens": 4, "messages": messages}
             answer = await client.post(f"{stack.url}{CHAT}", json=body,
@@ -266,13 +276,14 @@ async def test_a_conversation_stays_on_its_replica_and_hits_its_cache(stack):
                              "content": answer.json()["choices"][0]["message"]["content"]})
             await asyncio.sleep(0.05)
             served.append(stack.served_by(rid))
-            hits.append([s.metric(MM_CACHE_HITS) - b
-                         for s, b in zip(stack.replicas, before, strict=True)])
+            hits.append([tuple(a - b for a, b in zip(cache_hits(s), was, strict=True))
+                         for s, was in zip(stack.replicas, before, strict=True)])
     (home,) = served[0]
     assert all(s == {home} for s in served), served
     other = 2 if home == 1 else 1
-    assert all(h[home - 1] >= 1 for h in hits[1:]), hits  # turns 2-4 hit the cache
-    assert all(h[other - 1] == 0 for h in hits), hits
+    # turns 2-4 hit both caches: vLLM's and the history-image cache
+    assert all(min(h[home - 1]) >= 1 for h in hits[1:]), hits
+    assert all(h[other - 1] == (0, 0) for h in hits), hits
 
 
 async def test_conversations_spread_over_both_replicas(stack):
@@ -411,8 +422,11 @@ async def test_a_killed_engine_leaves_the_ring_and_its_requests_go_to_the_other(
     assert all(o.ok for o in served_blind), [o for o in served_blind if not o.ok]
     # Replica 1 refused the first ones (its breaker then kept the rest away): retried once.
     assert blind_retries >= 1, blind_retries
-    # It exits non-zero, for its supervisor to restart it.
-    assert await asyncio.to_thread(stack.replicas[lost - 1].proc.wait, 60) != 0
+    # It exits non-zero, for its supervisor to restart it, saying why.
+    gone = stack.replicas[lost - 1]
+    assert await asyncio.to_thread(gone.proc.wait, 60) != 0
+    assert time.monotonic() - t_kill < 25
+    assert "engine lost" in gone.log_tail(200)
     print(f"router: replica {lost} down {down_s:.1f} s after the kill "
           f"({time.monotonic() - t_kill:.1f} s to the exit); router retries so far: "
           f"{stack.router_metric('vllm_router_retries_total'):g}")

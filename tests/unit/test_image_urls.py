@@ -45,11 +45,11 @@ async def outcome(url: str, pol: UrlPolicy):
 @pytest.fixture
 def loaded_tls_setup(monkeypatch):
     """A loaded machine: building a TLS context (it parses the whole CA bundle, on the event
-    loop) takes 0.2 s instead of tens of milliseconds. The context is still really built."""
+    loop) takes 0.4 s instead of tens of milliseconds. The context is still really built."""
     build = ssl.create_default_context
 
     def slow(*args, **kwargs):
-        time.sleep(0.2)
+        time.sleep(0.4)
         return build(*args, **kwargs)
 
     monkeypatch.setattr(ssl, "create_default_context", slow)
@@ -57,16 +57,19 @@ def loaded_tls_setup(monkeypatch):
 
 async def test_a_valid_url_is_not_held_up_by_the_fetches_beside_it(peer, loaded_tls_setup):
     """The valid URL arrives first and 13 bad ones right after (hanging or dripping peers),
-    under a 1-s deadline each. A fetch that sets up TLS per request stalled the event loop
-    for all of them (13 x 0.2 s here), so the valid one missed its deadline and got a 400;
-    with the context built once, with the policy, it gets its image every time."""
-    pol = policy(1.0)  # built before the burst, as the server builds it at start
+    under a 2.5-s deadline each. A fetch that sets up TLS per request stalled the event loop
+    for all of them (13 x 0.4 s = 5.2 s here), so the valid one missed its deadline and got a
+    400; with the context built once, with the policy, it gets its image every time. The
+    deadline leaves the valid fetch (tens of milliseconds alone) room for a busy machine: at
+    1 s it missed once in a full run with other work beside it."""
+    pol = policy(2.5)  # built before the burst, as the server builds it at start
     for _ in range(2):
         urls = [f"{peer}/img.png"] + [f"{peer}/{'hang' if i % 2 else 'drip'}/{i}"
                                       for i in range(13)]
         results = await asyncio.gather(*(outcome(u, pol) for u in urls))
         assert results[0] == len(PNG), results[0]
-        assert all(r == (400, "image URL did not deliver within 1 s") for r in results[1:]), \
+        assert all(r == (400, "image URL did not deliver within 2.5 s")
+                   for r in results[1:]), \
             results[1:]
 
 

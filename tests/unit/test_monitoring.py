@@ -319,3 +319,34 @@ def test_metrics_are_per_registry_and_the_simulator_touches_no_global_one():
     assert out.returncode == 0, out.stderr
     results, global_series = map(int, out.stdout.split())
     assert results > 0 and global_series == 0
+
+
+def test_image_cache_series_read_the_intakes_cache_at_scrape():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve.intake.cache import ImageCache
+    from serve.intake.images import PreparedImage
+    from serve.metrics import Metrics
+
+    def scrape(metrics: Metrics) -> dict:
+        text = generate_latest(metrics.registry).decode()
+        return {(s.name, s.labels.get("result")): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name.startswith("phi3v_image_cache")}
+
+    metrics = Metrics()
+    unbound = scrape(metrics)  # before the app binds its cache: the series exist, at 0
+    assert unbound == {("phi3v_image_cache_lookups_total", "hit"): 0,
+                       ("phi3v_image_cache_lookups_total", "miss"): 0,
+                       ("phi3v_image_cache_bytes", None): 0}
+    cache = ImageCache(2**20)
+    metrics.image_cache.cache = cache
+    image = PreparedImage("data:image/png;base64,AAAA", 1, 1, "PNG", "passthrough")
+    assert cache.get((b"k", 1)) is None  # a first sight: miss
+    cache.put((b"k", 1), image)
+    assert cache.get((b"k", 1)) is image  # the same image re-sent: hit
+    assert cache.get((b"k", 1)) is image
+    assert scrape(metrics) == {("phi3v_image_cache_lookups_total", "hit"): 2,
+                               ("phi3v_image_cache_lookups_total", "miss"): 1,
+                               ("phi3v_image_cache_bytes", None): image.nbytes}
