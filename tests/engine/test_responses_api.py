@@ -116,9 +116,15 @@ def test_cut_stream_ends_with_response_incomplete_when_configured(incomplete_eve
 
 
 def test_responses_without_max_output_tokens_get_the_default(server):
-    r = httpx.post(f"{server.base_url}/v1/responses", timeout=60,
-                   json={"model": server.model, "input": "hi"})
-    assert r.status_code == 200 and r.json()["max_output_tokens"] == 2048
+    # Streamed, and left after the first event (response.created, which carries the limit):
+    # the whole default answer would be 2,048 tokens of the tiny model's text.
+    body = {"model": server.model, "input": "hi", "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        created = next(json.loads(line[len("data: "):]) for line in r.iter_lines()
+                       if line.startswith("data: "))
+    assert created["type"] == "response.created", created
+    assert created["response"]["max_output_tokens"] == 2048, created
 
 
 def post(server, path: str, body: dict, **kw) -> httpx.Response:
