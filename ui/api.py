@@ -8,9 +8,9 @@
   content tokens and the final usage. Each request names the logged-in user in OpenAI's
   ``user`` field (:func:`api_user`): with the UI's key a trusted front end of the API's keys
   file, the API shares the UI's capacity fairly among its users and accounts usage per user.
-  Leaving the ``async for`` early (the user pressed Stop: the Chainlit task is cancelled)
-  exits the ``httpx`` stream context, which closes the connection; the API then aborts the
-  request in vLLM and frees its KV cache.
+  Closing the stream early (the user pressed Stop: the Chainlit task is cancelled, and
+  ``ui.app`` closes the iterator) exits the ``httpx`` stream context, which closes the
+  connection; the API then aborts the request in vLLM and frees its KV cache.
 
 Every failure raises :class:`ui.errors.ApiError` with a message ready for the chat.
 No Chainlit import: unit-tested in the main test environment.
@@ -156,8 +156,10 @@ class ApiClient:
         replica). Each request carries a new ``X-Request-Id``, the id the API's and the
         router's answers and the API's logs use. Raises :class:`ApiError`.
 
-        Breaking out of the iteration, or cancelling the task consuming it, closes the HTTP
-        connection, which makes the server abort the generation.
+        Closing the iterator closes the HTTP connection, which makes the server abort the
+        generation. Consume it under ``contextlib.aclosing``: a task cancelled while it
+        awaits something else between two items (the page, on Stop) leaves the generator
+        suspended, and the connection open, until the garbage collector finalizes it.
         """
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         if user:

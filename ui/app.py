@@ -12,6 +12,7 @@ schema (:mod:`ui.db`), login (:mod:`ui.auth`), which pages may use a login
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -307,14 +308,19 @@ async def stream_answer(body: dict, conversation: Conversation, seen: str | None
     (also a stopped one) becomes the assistant turn; a failed request drops the user turn."""
     msg = cl.Message(content="")
     stats = AnswerStats()
+    events = api.stream_chat(body, user=cl.context.session.user.identifier,
+                             conversation=cl.context.session.thread_id)
     try:
-        async for event in api.stream_chat(body, user=cl.context.session.user.identifier,
-                                           conversation=cl.context.session.thread_id):
-            if isinstance(event, Token):
-                stats.on_token()
-                await msg.stream_token(event.text)
-            elif isinstance(event, Usage):
-                stats.on_usage(event.usage)
+        # aclosing: a Stop that cancels this task while it awaits the page (stream_token),
+        # not the stream, must still close the stream here, in this task: left to the
+        # garbage collector, the HTTP request stayed open and vLLM kept generating.
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, Token):
+                    stats.on_token()
+                    await msg.stream_token(event.text)
+                elif isinstance(event, Usage):
+                    stats.on_usage(event.usage)
     except ApiError as exc:
         conversation.pop_unanswered()
         if stats.chunks:  # failed mid-answer: keep what the user saw, out of the history

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -108,7 +109,11 @@ async def test_image_answer_streams_in_and_shows_statistics(image_chat):
     # model can finish 24 tokens between two DOM samples, so the page's own growth is only
     # checked when a sample caught it mid-way), and rendered exactly their concatenation.
     assert len(tokens) >= 2, f"answer not streamed: {tokens!r}"
-    assert final.startswith("".join(tokens).strip())
+    # Chainlit's markdown (remark-directive) takes ":name" for a text directive and drops it:
+    # the tiny model's random text is compared up to the first such colon.
+    streamed = "".join(tokens).strip()
+    directive = re.search(r":[A-Za-z]", streamed)
+    assert final.startswith(streamed[:directive.start()] if directive else streamed), tokens
     assert all(final.startswith(s.strip()) for s in samples), samples
     stats = STATS_RE.search(final)
     assert stats, final

@@ -7,45 +7,13 @@ asks for it. The servers are the session's ``gateway`` (JSON logs) and ``verbose
 from __future__ import annotations
 
 import json
-import re
-import time
 
 import httpx
 
-from tests.helpers import data_url
+from tests.helpers import data_url, log_lines
 
 #: Text no server writes unless it logs prompts.
 SECRET = "quartz-zebra-47 marmalade"
-#: Output lines that are no log record (``serve.logs``): PyTorch's C++ warnings, and what a
-#: process logs before it configures logging (vLLM's Triton check when vLLM is imported, in
-#: the API process and in the engine-core process).
-NOT_RECORDS = re.compile(r"^\[[WIE]\d{4} |^Triton is installed")
-
-
-def log_lines(server, request_ids=()) -> list[dict]:
-    """The running server's output (stdout and stderr), every line but :data:`NOT_RECORDS`
-    parsed as JSON, once it holds the access record of each of ``request_ids`` (written as
-    each answer ends; 30 s at most)."""
-    deadline = time.monotonic() + 30
-    while True:
-        lines = [line for line in server.log_path.read_text().splitlines()
-                 if line.strip() and not NOT_RECORDS.match(line)]
-        bad = [line for line in lines if not _is_json(line)]
-        assert not bad, f"{len(bad)} of {len(lines)} lines are not JSON:\n" + "\n".join(bad[:20])
-        records = [json.loads(line) for line in lines]
-        logged = {r.get("request_id") for r in records if r["logger"] == "serve.access"}
-        if set(request_ids) <= logged or time.monotonic() > deadline:
-            return records
-        time.sleep(0.2)
-
-
-def _is_json(line: str) -> bool:
-    try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
-        return False
-
-
 def access_records(lines: list[dict]) -> dict[str, dict]:
     """The access records of the generation route, by request id (one each)."""
     records = [r for r in lines if r["logger"] == "serve.access"

@@ -16,9 +16,8 @@ import httpx
 import pytest
 
 from serve.keys import RELOAD_CHECK_S
-from tests.engine.test_access_log import log_lines
 from tests.helpers import GATEWAY_KEY as PLAIN
-from tests.helpers import add_key, keys_cli
+from tests.helpers import add_key, keys_cli, log_lines
 
 
 def key_ids(path) -> list[str]:
