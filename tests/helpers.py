@@ -78,6 +78,11 @@ class Server(ManagedServer):
 
         return await asyncio.to_thread(self.metric, name, labels)
 
+    async def ametrics(self) -> dict[tuple[str, tuple], float]:
+        """:meth:`metrics` without blocking the event loop (runs in a thread)."""
+        import asyncio
+
+        return await asyncio.to_thread(self.metrics)
 
 
 @dataclass

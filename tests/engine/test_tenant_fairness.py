@@ -20,7 +20,11 @@ import pytest
 from tests.helpers import add_key, start_server, stop_server
 
 #: Output tokens of every request: the same work each, so completions split as slots do.
-MAX_TOKENS = 24
+#: Long enough that decoding, not HTTP, bounds the capacity: the rates below are multiples of
+#: it, and the client, the gateway and the engine share 2 cores, so with answers of a few
+#: tokens 4x capacity is ~100 requests/s whose handling (arrivals, refusals) starves the
+#: engine, and then every queue, the light tenant's too, waits for a stalled engine.
+MAX_TOKENS = 96
 #: TTFT and ITL targets of the server (goodput): generous for a loaded 2-core machine.
 SLO_TTFT_S = 10.0
 SLO_ITL_S = 1.0
@@ -53,6 +57,8 @@ class Outcome:
     sent_at: float = 0.0
     #: When the answer ended (or the refusal came), monotonic seconds.
     done_at: float = 0.0
+    #: Why the gateway refused it (``X-Phi3v-Reject-Reason``, else the body's start).
+    reason: str | None = None
 
 
 async def one(client: httpx.AsyncClient, srv, token: str, tenant: str) -> Outcome:
@@ -72,7 +78,8 @@ async def _one(client: httpx.AsyncClient, srv, token: str, tenant: str,
                              headers={"Authorization": f"Bearer {token}"}) as r:
         if r.status_code != 200:
             await r.aread()
-            return Outcome(tenant, r.status_code)
+            return Outcome(tenant, r.status_code,
+                           reason=r.headers.get("x-phi3v-reject-reason", r.text[:200]))
         async for line in r.aiter_lines():
             if line.startswith("data: {") and '"content"' in line:
                 now = time.monotonic()
@@ -157,19 +164,15 @@ async def sample_slots(srv, tenants: tuple[str, ...], run) -> tuple[object, list
     """Await ``run`` while reading, every 0.25 s, each tenant's slots held and requests
     waiting from ``/metrics`` (``phi3v_tenant_running_requests``,
     ``phi3v_tenant_pending_requests``): ``(run's result, [{(series, tenant): value}])``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     series = ("phi3v_tenant_running_requests", "phi3v_tenant_pending_requests")
     task = asyncio.ensure_future(run)
     samples = []
-    async with httpx.AsyncClient(timeout=10) as client:
-        while not task.done():
-            text = (await client.get(f"{srv.base_url}/metrics")).text
-            lines = "\n".join(ln for ln in text.splitlines() if ln.startswith(series))
-            samples.append({(s.name, s.labels["tenant"]): s.value
-                            for f in text_string_to_metric_families(lines) for s in f.samples
-                            if s.labels.get("tenant") in tenants})
-            await asyncio.sleep(0.25)
+    while not task.done():
+        scrape = await srv.ametrics()
+        samples.append({(name, dict(labels)["tenant"]): value
+                        for (name, labels), value in scrape.items()
+                        if name in series and dict(labels).get("tenant") in tenants})
+        await asyncio.sleep(0.25)
     return await task, samples
 
 
@@ -200,16 +203,16 @@ def test_a_flooding_tenant_leaves_a_light_one_its_slo(flood_run):
     shared, _, _ = flood_run
     light = [o for o in shared if o.tenant == "light"]
     flood = [o for o in shared if o.tenant == "flood"]
-    assert light and all(o.status == 200 for o in light), [o.status for o in light]
+    assert light and all(o.status == 200 for o in light), [
+        (o.status, o.reason, round(o.sent_at - min(x.sent_at for x in shared), 1)) for o in light
+        if o.status != 200]
     assert p90(o.ttft_s for o in light) <= SLO_TTFT_S
     assert sum(o.status == 200 for o in flood) > sum(o.status == 200 for o in light)
 
 
-@pytest.mark.xfail(strict=False, reason="target not met on this engine: counting the answers "
-                   "that ended while the arrivals went on, an idle CI machine measured 33 good "
-                   "shared against 54 from one tenant (0.61; whole runs 161 vs 159), where a "
-                   "busy one measured 72:48, 118:23 and 155:72; the simulator's H200 profile "
-                   "meets it (tests/unit/test_fair.py)")
+@pytest.mark.xfail(strict=False, reason="one pair of 15-s runs cannot resolve 0.95 on this "
+                   "2-core machine: the same code gave 0.83 to 1.39 from run to run; the "
+                   "simulator's H200 profile meets it over many seeds (tests/unit/test_fair.py)")
 def test_the_flood_uses_what_the_light_tenant_leaves(flood_run):
     """Goodput while loaded: the good answers per second of the two tenants together are at
     least 0.95 of those of the same arrivals from one tenant (the simulator's H200 profile
@@ -230,9 +233,9 @@ def test_the_heavier_tenant_gets_more_under_joint_overload(weighted_run):
         weighted_run
 
 
-@pytest.mark.xfail(strict=False, reason="target not met on this engine: the slots held while "
-                   "both queues were loaded split 2.3:1 to 2.7:1 here (11.1:4.9, 11.6:4.4 of "
-                   "16); the limiter alone and the simulator's H200 profile give 3:1 "
+@pytest.mark.xfail(strict=False, reason="one 20-s run's mean split varies beyond +-15 % on "
+                   "this 2-core machine (2.4:1 to 3.3:1 from run to run of the same code); the "
+                   "limiter alone and the simulator's H200 profile give 3:1 "
                    "(tests/unit/test_fair.py)")
 def test_weights_3_to_1_split_the_slots_under_joint_overload(weighted_run):
     """The slots held while both tenants wait split 3:1 (+-15 %), read from the gateway's

@@ -61,18 +61,22 @@ def seconds_to_utc_midnight() -> float:
                                       datetime.timezone.utc) - now).total_seconds()
 
 
+#: Completion tokens of the first request of :func:`_while_one_streams`: all the context
+#: leaves (``max_model_len`` 4096), so it cannot end before the second one is answered.
+LONG_ANSWER_TOKENS = 4000
+
+
 async def _while_one_streams(server, token: str) -> tuple[int, httpx.Response]:
-    """A second request of ``token``'s tenant sent while its first one streams."""
+    """A second request of ``token``'s tenant sent while its first one streams; the first is
+    then closed (the client leaves, which ends it)."""
     headers = {"Authorization": f"Bearer {token}"}
     url = f"{server.base_url}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=120) as client:
         async with client.stream("POST", url, headers=headers,
-                                 json=body(server, 200, stream=True)) as first:
+                                 json=body(server, LONG_ANSWER_TOKENS, stream=True)) as first:
             lines = first.aiter_lines()
             await anext(lines)  # its first event: it is running
             second = await client.post(url, headers=headers, json=body(server, 1))
-            async for _ in lines:
-                pass
             return first.status_code, second
 
 
