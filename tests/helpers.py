@@ -54,11 +54,15 @@ class Server(ManagedServer):
 
     model: str = ""
 
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        """One scrape of ``/metrics``: ``{(sample name, sorted label items): value}``."""
+    def metrics(self, names: tuple[str, ...] = ()) -> dict[tuple[str, tuple], float]:
+        """One scrape of ``/metrics``: ``{(sample name, sorted label items): value}``; with
+        ``names``, only the samples whose name starts with one of them (the rest of the text
+        is not parsed: cheaper for a loop that samples a few series while under load)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        if names:
+            text = "\n".join(line for line in text.splitlines() if line.startswith(names))
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -78,11 +82,11 @@ class Server(ManagedServer):
 
         return await asyncio.to_thread(self.metric, name, labels)
 
-    async def ametrics(self) -> dict[tuple[str, tuple], float]:
+    async def ametrics(self, names: tuple[str, ...] = ()) -> dict[tuple[str, tuple], float]:
         """:meth:`metrics` without blocking the event loop (runs in a thread)."""
         import asyncio
 
-        return await asyncio.to_thread(self.metrics)
+        return await asyncio.to_thread(self.metrics, names)
 
 
 @dataclass

@@ -131,7 +131,7 @@ def p90(values):
 
 #: Seconds from a run's first arrival before its counts start: an idle server first fills in
 #: arrival order, and the queues build up.
-WARM_S = 4
+WARM_S = 6
 
 
 def in_window(outcomes: list[Outcome], duration_s: float) -> list[Outcome]:
@@ -163,32 +163,39 @@ def flood_run(tenants_server):
 async def sample_slots(srv, tenants: tuple[str, ...], run) -> tuple[object, list[dict]]:
     """Await ``run`` while reading, every 0.25 s, each tenant's slots held and requests
     waiting from ``/metrics`` (``phi3v_tenant_running_requests``,
-    ``phi3v_tenant_pending_requests``): ``(run's result, [{(series, tenant): value}])``."""
+    ``phi3v_tenant_pending_requests``): ``(run's result, [{(series, tenant): value}])``;
+    each sample also has ``"at"``, seconds since the first."""
     series = ("phi3v_tenant_running_requests", "phi3v_tenant_pending_requests")
     task = asyncio.ensure_future(run)
     samples = []
+    start = time.monotonic()
     while not task.done():
-        scrape = await srv.ametrics()
-        samples.append({(name, dict(labels)["tenant"]): value
-                        for (name, labels), value in scrape.items()
-                        if name in series and dict(labels).get("tenant") in tenants})
+        scrape = await srv.ametrics(series)
+        sample = {(name, dict(labels)["tenant"]): value
+                  for (name, labels), value in scrape.items()
+                  if dict(labels).get("tenant") in tenants}
+        samples.append({**sample, "at": time.monotonic() - start})
         await asyncio.sleep(0.25)
     return await task, samples
 
 
 @pytest.fixture(scope="module")
 def weighted_run(tenants_server):
-    """Tenants of weights 3 and 1, each at 3x capacity, 20 s: the slots each held while
-    both had requests waiting (joint overload), sampled from ``/metrics``, and the requests
-    each completed while the arrivals went on (:func:`in_window`; once one tenant's queue is
-    empty the other, work-conserving, gets every slot): ``{"slots": {tenant: mean slots
-    held}, "samples": joint-overload samples, "completed": {tenant: answers}}``."""
+    """Tenants of weights 3 and 1, each at 1.5x capacity (both queues grow: each is sent
+    more than its share), 20 s: the slots each held while both had requests waiting (joint
+    overload) from :data:`WARM_S` (an idle server first fills in arrival order, and those
+    requests hold their slots until they end) to the last arrival, sampled from
+    ``/metrics``, and the requests each completed in that window (:func:`in_window`; once one
+    tenant's queue is empty the other, work-conserving, gets every slot): ``{"slots":
+    {tenant: mean slots held}, "samples": joint-overload samples, "completed": {tenant:
+    answers}}``."""
     srv, tokens, capacity = tenants_server
     duration_s, tenants = 20, ("heavy", "lighter")
     outcomes, samples = asyncio.run(sample_slots(srv, tenants, open_loop(
-        srv, {t: (tokens[t], 3 * capacity) for t in tenants}, duration_s=duration_s, seed=1)))
-    joint = [s for s in samples
-             if all(s.get(("phi3v_tenant_pending_requests", t), 0) > 0 for t in tenants)]
+        srv, {t: (tokens[t], 1.5 * capacity) for t in tenants}, duration_s=duration_s,
+        seed=1)))
+    joint = [s for s in samples if WARM_S <= s["at"] <= duration_s
+             and all(s.get(("phi3v_tenant_pending_requests", t), 0) > 0 for t in tenants)]
     slots = {t: statistics.fmean(s[("phi3v_tenant_running_requests", t)] for s in joint)
              for t in tenants} if joint else {}
     done = in_window(outcomes, duration_s)
@@ -224,23 +231,31 @@ def test_the_flood_uses_what_the_light_tenant_leaves(flood_run):
                                        sum(o.good for o in alone))
 
 
+#: Joint-overload samples a weighted run needs to judge (at least 2.5 s of the window).
+MIN_SAMPLES = 10
+
+
 def test_the_heavier_tenant_gets_more_under_joint_overload(weighted_run):
-    # Answers completed while loaded follow the slots, but on this 2-core machine they are
-    # few and the client, the gateway and the engine share the cores: more, not how much.
     slots, completed = weighted_run["slots"], weighted_run["completed"]
-    assert weighted_run["samples"] >= 20, weighted_run
+    assert weighted_run["samples"] >= MIN_SAMPLES, weighted_run
     assert slots["heavy"] > slots["lighter"] and completed["heavy"] > completed["lighter"], \
         weighted_run
 
 
-@pytest.mark.xfail(strict=False, reason="one 20-s run's mean split varies beyond +-15 % on "
-                   "this 2-core machine (2.4:1 to 3.3:1 from run to run of the same code); the "
-                   "limiter alone and the simulator's H200 profile give 3:1 "
-                   "(tests/unit/test_fair.py)")
 def test_weights_3_to_1_split_the_slots_under_joint_overload(weighted_run):
     """The slots held while both tenants wait split 3:1 (+-15 %), read from the gateway's
-    own per-tenant gauges: requests of one length complete in that proportion (the
-    simulator's H200 profile completes 3.01:1, tests/unit/test_fair.py)."""
+    own per-tenant gauges (the simulator's H200 profile: tests/unit/test_fair.py)."""
     slots = weighted_run["slots"]
-    assert weighted_run["samples"] >= 20, weighted_run
+    assert weighted_run["samples"] >= MIN_SAMPLES, weighted_run
     assert slots["heavy"] / slots["lighter"] == pytest.approx(3.0, rel=0.15), weighted_run
+
+
+@pytest.mark.xfail(strict=False, reason="the slots split 3:1, but a 14-s window cuts the "
+                   "answers in flight at both ends (up to one per slot: 12 of ~80 heavy, 4 of "
+                   "~27 lighter), which moves the ratio by more than 15 % at these counts; the "
+                   "simulator's H200 profile completes 3.01:1 (tests/unit/test_fair.py)")
+def test_weights_3_to_1_split_the_completed_requests_under_joint_overload(weighted_run):
+    """Requests of one length completed while both tenants were loaded split 3:1 (+-15 %)."""
+    completed = weighted_run["completed"]
+    assert completed["heavy"] / completed["lighter"] == pytest.approx(3.0, rel=0.15), \
+        weighted_run
