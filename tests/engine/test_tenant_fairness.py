@@ -62,8 +62,13 @@ class Outcome:
 
 
 async def one(client: httpx.AsyncClient, srv, token: str, tenant: str) -> Outcome:
+    """One streamed chat of ``tenant``; a transport error (the connection closed under the
+    client) is an outcome of status 0 with the error as its reason, not the run's end."""
     start = time.monotonic()
-    outcome = await _one(client, srv, token, tenant, start)
+    try:
+        outcome = await _one(client, srv, token, tenant, start)
+    except httpx.TransportError as exc:
+        outcome = Outcome(tenant, 0, reason=repr(exc))
     outcome.sent_at, outcome.done_at = start, time.monotonic()
     return outcome
 
@@ -181,18 +186,20 @@ async def sample_slots(srv, tenants: tuple[str, ...], run) -> tuple[object, list
 
 @pytest.fixture(scope="module")
 def weighted_run(tenants_server):
-    """Tenants of weights 3 and 1, each at 3x capacity, 20 s: the slots each held while both had
-    requests waiting (joint overload) from :data:`WARM_S` (an idle server first fills in arrival
-    order, and those requests hold their slots until they end) to the last arrival, sampled from
-    ``/metrics``, and the requests each completed in that window (:func:`in_window`; once one
-    tenant's queue is empty the other, work-conserving, gets every slot): ``{"slots": {tenant:
-    mean slots held}, "samples": joint-overload samples, "completed": {tenant: answers},
-    "series": [(seconds, slots held and waiting of each tenant)] of every sample}`` (the series
-    puts a failure's cause in its message)."""
+    """Tenants of weights 3 and 1 at 2x and 1x capacity (each well over its share of 0.75 and 0.25,
+    so both queues grow even when the capacity was under-measured), 20 s: the slots each held
+    while both had requests waiting (joint overload) from :data:`WARM_S` (an idle server first
+    fills in arrival order, and those requests hold their slots until they end) to the last
+    arrival, sampled from ``/metrics``, and the requests each completed in that window
+    (:func:`in_window`; once one tenant's queue is empty the other, work-conserving, gets every
+    slot): ``{"slots": {tenant: mean slots held}, "samples": joint-overload samples,
+    "completed": {tenant: answers}, "series": [(seconds, slots held and waiting of each tenant)]
+    of every sample}`` (the series puts a failure's cause in its message)."""
     srv, tokens, capacity = tenants_server
     duration_s, tenants = 20, ("heavy", "lighter")
     outcomes, samples = asyncio.run(sample_slots(srv, tenants, open_loop(
-        srv, {t: (tokens[t], 3 * capacity) for t in tenants}, duration_s=duration_s, seed=1)))
+        srv, {"heavy": (tokens["heavy"], 2 * capacity),
+              "lighter": (tokens["lighter"], capacity)}, duration_s=duration_s, seed=1)))
     joint = [s for s in samples if WARM_S <= s["at"] <= duration_s
              and all(s.get(("phi3v_tenant_pending_requests", t), 0) > 0 for t in tenants)]
     slots = {t: statistics.fmean(s[("phi3v_tenant_running_requests", t)] for s in joint)
@@ -219,7 +226,7 @@ def test_a_flooding_tenant_leaves_a_light_one_its_slo(flood_run):
 
 
 @pytest.mark.xfail(strict=False, reason="one pair of 15-s runs cannot resolve 0.95 on this "
-                   "2-core machine: the same code gave 0.83 to 1.39 from run to run; the "
+                   "2-core machine: the same code gave 0.71 to 1.39 from run to run; the "
                    "simulator's H200 profile meets it over many seeds (tests/unit/test_fair.py)")
 def test_the_flood_uses_what_the_light_tenant_leaves(flood_run):
     """Goodput while loaded: the good answers per second of the two tenants together are at
