@@ -35,6 +35,7 @@ GOAL_STEPS.model := $(INSTALL_STEPS) model
 GOAL_STEPS.test-fast := $(INSTALL_STEPS) model
 GOAL_STEPS.bench := $(INSTALL_STEPS) model
 GOAL_STEPS.bench-autotune := $(INSTALL_STEPS) model
+GOAL_STEPS.bench-fairness := $(INSTALL_STEPS) model
 GOAL_STEPS.bench-layers := $(INSTALL_STEPS) apt
 GOAL_STEPS.ui-install := ui
 GOAL_STEPS.ui := ui
@@ -50,7 +51,7 @@ step_index = $(if $(2),$(if $(filter $(1),$(firstword $(2))),$(words x $(3)),$(c
 step = echo '$(if $(filter $(1),$(STEPS)),[$(call step_index,$(1),$(STEPS))/$(words $(STEPS))],==>) $(2)'
 VLLM_WHEEL := $(if $(filter cpu,$(VLLM_FLAVOUR)),CPU,GPU)
 
-.PHONY: install demo demo-replicas prometheus-replicas serve serve-full model test test-fast clean help system-deps ui-install ui monitoring-check prometheus bench bench-autotune bench-layers lint
+.PHONY: install demo demo-replicas prometheus-replicas serve serve-full model test test-fast clean help system-deps ui-install ui monitoring-check prometheus bench bench-autotune bench-fairness bench-layers lint
 
 help:
 	@echo "make demo   - API + chat UI on the tiny model; prints both URLs when ready (login demo/demo)"
@@ -62,6 +63,7 @@ help:
 	@echo "make bench-layers - our layers' instructions per request and per token under cachegrind (~30 s); fails past +2 % of bench/layers-baseline.json"
 	@echo "make bench  - ours vs raw vLLM vs raw vLLM (A/A), interleaved blocks (~15 min); one verdict line"
 	@echo "make bench-autotune - the autotuner vs every fixed limit and plain vLLM: simulator, seeds 0-9, then the real engine (~18 min)"
+	@echo "make bench-fairness - tenants on the real tiny engine: a flood's goodput vs one tenant's (A/A control), the 3:1 weighted split (~14 min)"
 	@echo "make serve  - serve the real $(notdir $(REAL_MODEL)) from WEIGHTS=$(WEIGHTS)"
 
 install: $(STAMP)
@@ -168,6 +170,12 @@ bench-layers: install system-deps
 bench-autotune: install model
 	$(PY) -m bench.simjudge --out bench/out
 	$(PY) -m bench.witness --out bench/out --sim bench/out/simjudge.json $(BENCH_ARGS)
+
+# Fair admission between tenants on the real tiny engine: a flood's total goodput against one
+# tenant's, an A/A control, the 3:1 weighted split, in rounds (~14 min, alone on the machine);
+# one `fairness ... result=...` line at the end (bench/README.md).
+bench-fairness: install model
+	$(PY) -m bench.fairness --out bench/out $(BENCH_ARGS)
 
 monitoring-check:
 	promtool check config monitoring/prometheus/prometheus.yml

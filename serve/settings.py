@@ -49,6 +49,13 @@ FRONT_PROXY_IDLE_TIMEOUTS_S = {
 #: Cores the API process keeps when image workers are sized automatically: its event loop
 #: (HTTP, streaming, intake) and vLLM's one multimodal preprocessing thread.
 API_PROCESS_CORES = 2
+#: Cores a CPU engine leaves to the API process (its OpenMP threads are the other cores):
+#: vLLM's own CPU default (``vllm/utils/ompmultiprocessing.py``, ``OMPProcessManager``
+#: reserves ``local_world_size`` cores, one here, for the process beside the workers). With
+#: every core the engine's, each burst of HTTP work (a flood of arrivals and refusals)
+#: descheduled one of its OpenMP threads and the others spun at their barrier: decoding fell
+#: several-fold for seconds (``bench/README.md``, "make bench-fairness").
+CPU_API_CORES = 1
 #: Most image workers sized automatically: each may hold one decoded image of
 #: ``max_image_pixels`` (120 MB at 40 MP, with its conversions a few times that).
 MAX_AUTO_IMAGE_WORKERS = 16
@@ -72,10 +79,11 @@ def usable_cores() -> int:
 
 
 def auto_image_workers(device: Device, engine_gpus: int, cores: int | None = None) -> int:
-    """The default of ``--image-workers``: 0 on CPU, where every core is the engine's
-    (OpenMP threads = cores); on GPU ``cores`` (default :func:`usable_cores`) minus
-    :data:`API_PROCESS_CORES` minus ``1 + engine_gpus`` (vLLM's engine core loop, and one busy
-    thread per GPU worker: tensor x pipeline parallel), within 0 .. :data:`MAX_AUTO_IMAGE_WORKERS`.
+    """The default of ``--image-workers``: 0 on CPU, where the cores are the engine's
+    OpenMP threads and the API process's (:data:`CPU_API_CORES`); on GPU ``cores`` (default
+    :func:`usable_cores`) minus :data:`API_PROCESS_CORES` minus ``1 + engine_gpus`` (vLLM's
+    engine core loop, and one busy thread per GPU worker: tensor x pipeline parallel), within
+    0 .. :data:`MAX_AUTO_IMAGE_WORKERS`.
     """
     if device == "cpu":
         return 0
@@ -571,14 +579,16 @@ class Settings(BaseSettings):
         """Environment variables vLLM must see before it is imported.
 
         On CPU (``../shared/vllm-cpu-notes.md``): in-process engine core
-        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, saves 15-30 s of start-up) with OpenMP threads
-        equal to the cores, else threads fight and decoding is ~10x slower. Always offline:
-        the stack never downloads from a model hub.
+        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, saves 15-30 s of start-up) with one OpenMP
+        thread per usable core (:func:`usable_cores`) but :data:`CPU_API_CORES`, at least
+        one: more threads than cores fight and decoding is ~10x slower, and threads on the
+        API process's core stall whenever it is busy. Always offline: the stack never
+        downloads from a model hub.
         """
         env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         if (self.device or detect_device()) == "cpu":
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+            env["OMP_NUM_THREADS"] = str(max(1, usable_cores() - CPU_API_CORES))
         return env
 
     def engine_kwargs(self) -> dict:

@@ -79,6 +79,17 @@ def workers():
 
 
 # --- the setting ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("cores", "threads"), [(1, "1"), (2, "1"), (8, "7")])
+def test_a_cpu_engine_leaves_the_api_process_a_core(monkeypatch, cores, threads):
+    # vLLM's own CPU default reserves one core beside its workers (serve.settings.CPU_API_CORES).
+    import serve.settings
+
+    monkeypatch.setattr(serve.settings, "usable_cores", lambda: cores)
+    env = Settings(device="cpu").engine_env()
+    assert env["OMP_NUM_THREADS"] == threads and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "OMP_NUM_THREADS" not in Settings(device="cuda").engine_env()
+
+
 def test_image_workers_default_to_none_on_cpu_and_to_the_spare_cores_on_gpu(monkeypatch):
     assert Settings(device="cpu").resolved().image_workers == 0
     assert Intake.from_settings(Settings(device="cpu")).workers is None

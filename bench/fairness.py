@@ -1,0 +1,252 @@
+"""Fair admission between tenants on the real tiny engine, judged with intervals: ``make
+bench-fairness``.
+
+``python -m bench.fairness [--rounds 6] [--flood-s 25] [--weighted-s 20] [--capacity R]
+[--out bench/out]``
+
+One server (``python -m serve`` on the tiny model, a keys file of five tenants, the flags of
+:func:`bench.tenants.server_args`); its capacity (completed requests per second with a full
+backlog) is measured first, unless ``--capacity`` gives it (then two servers, or two
+settings, get the same arrivals). Then ``--rounds`` rounds, each of four open-loop runs
+(:func:`bench.tenants.open_loop`, Poisson arrivals, every request the same 96-token chat):
+
+- **shared**: tenant ``flood`` at 4x capacity and tenant ``light`` at 0.2x (``--flood-s``);
+- **alone** and **alone2**: the same arrivals (same seed), all from tenant ``alone``: the
+  single-tenant reference and its A/A control;
+- **weighted**: ``heavy`` (weight 3) at 2x capacity and ``lighter`` (weight 1) at 1x
+  (``--weighted-s``), both far over their share, so both queues stay loaded.
+
+The first three run in an order balanced over rounds (every permutation equally often,
+:func:`bench.stats.balanced_orders`), so drift and the autotuner's state carried from one run
+to the next hit them alike. Each run's counts are taken in its loaded window (from
+:data:`bench.tenants.WARM_S` to the last arrival) by each answer's share of decoding inside it
+(:func:`bench.tenants.served_in_window`), which removes the edge noise of whole-answer counts.
+
+Per round: goodput ratio shared/alone (good answers, both SLOs met), the A/A ratio
+alone2/alone, the weighted split heavy/lighter of answers served, the light tenant's refusals
+and TTFT p90. Across rounds (Kalibera & Jones, ISMM 2013, as ``make bench``): the mean of the
+per-round log-ratios with a 90 % Student-t interval, cross-checked by a bootstrap over rounds,
+``exp`` of each. Verdicts (issue targets: total goodput >= 0.95 of a single-tenant run; a 3:1
+split +-15 %; the light tenant never refused, its TTFT p90 within the SLO):
+
+- **unresolved**: the A/A interval is not inside [0.95, 1/0.95]: the instrument cannot tell
+  two identical runs apart within the goodput margin, so the run judges nothing;
+- goodput: **pass** when the interval's lower end is >= 0.95, **fail** when its upper end is
+  below, else **inconclusive**;
+- split: **pass** when the interval lies inside [2.55, 3.45], **fail** when it lies wholly
+  outside, else **inconclusive**;
+- light: **pass** when no light request got a non-200 and every round's TTFT p90 is within
+  the SLO, else **fail**.
+
+Writes ``fairness.json`` (every round and the verdict) to ``--out``, one line per round, and
+ends with exactly one line::
+
+    fairness rounds=N capacity=R goodput=X[lo,hi] aa=X[lo,hi] split=X[lo,hi]
+        light_non200=N light_ttft_p90_s=S result=pass|fail|inconclusive|unresolved
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from bench import stats
+from bench.tenants import (
+    SLO_TTFT_S,
+    capacity_rps,
+    open_loop,
+    p90,
+    served_in_window,
+    server_args,
+    window,
+)
+
+LEVEL = 0.90
+#: Goodput of the shared run over the single-tenant run: the lower end must reach it.
+GOODPUT_MIN = 0.95
+#: The A/A interval must lie inside [AA_BAND, 1 / AA_BAND]: as tight as the goodput margin.
+AA_BAND = 0.95
+#: Weights 3:1 and the issue's tolerance of +-15 %.
+SPLIT_TARGET, SPLIT_TOLERANCE = 3.0, 0.15
+#: Rates, multiples of the measured capacity.
+FLOOD_X, LIGHT_X, HEAVY_X, LIGHTER_X = 4.0, 0.2, 2.0, 1.0
+TENANTS = {"flood": 1, "light": 1, "alone": 1, "heavy": 3, "lighter": 1}
+FLOOD_ARMS = ("shared", "alone", "alone2")
+BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 2000, 0
+
+
+def write_keys(path: Path) -> dict[str, str]:
+    """A keys file of :data:`TENANTS` (name: weight) at ``path``; ``{tenant: token}``."""
+    from serve.keys import KeysFile
+
+    content, tokens = KeysFile(), {}
+    for name, weight in TENANTS.items():
+        content.set_tenant(name, weight=weight)
+        tokens[name] = content.add_key(name)[1]
+    content.write(path)
+    return tokens
+
+
+def interval(log_values: Sequence[float]) -> dict:
+    """``{"estimate", "lo", "hi", "boot_lo", "boot_hi"}`` of a ratio from its per-round
+    log-ratios (t-interval, and the bootstrap cross-check), NaN with fewer than 2 rounds."""
+    if len(log_values) < 2:
+        return dict.fromkeys(("estimate", "lo", "hi", "boot_lo", "boot_hi"), math.nan)
+    t = stats.exp_interval(stats.t_interval(log_values, LEVEL))
+    b = stats.exp_interval(stats.bootstrap_interval(log_values, LEVEL, BOOTSTRAP_RESAMPLES,
+                                                    BOOTSTRAP_SEED))
+    return {"estimate": t[0], "lo": t[1], "hi": t[2], "boot_lo": b[1], "boot_hi": b[2]}
+
+
+def judge(rounds: list[dict]) -> dict:
+    """The verdict of the rounds (module docstring): the intervals, each target's
+    pass/fail/inconclusive and the ``result``. Pure: a round is a dict with ``goodput``
+    (``{arm: good answers per second}``), ``split`` (``{"heavy", "lighter"}`` answers served)
+    and ``light`` (``{"non200", "ttft_p90_s"}``)."""
+    def logs(num: str, den: str) -> list[float]:
+        return [math.log(r["goodput"][num] / r["goodput"][den]) for r in rounds
+                if r["goodput"][num] > 0 and r["goodput"][den] > 0]
+
+    goodput, aa = interval(logs("shared", "alone")), interval(logs("alone2", "alone"))
+    split = interval([math.log(r["split"]["heavy"] / r["split"]["lighter"]) for r in rounds
+                      if r["split"]["heavy"] > 0 and r["split"]["lighter"] > 0])
+    valid = AA_BAND <= aa["lo"] and aa["hi"] <= 1 / AA_BAND
+    lo_split = SPLIT_TARGET * (1 - SPLIT_TOLERANCE)
+    hi_split = SPLIT_TARGET * (1 + SPLIT_TOLERANCE)
+    non200 = sum(r["light"]["non200"] for r in rounds)
+    ttft = max((r["light"]["ttft_p90_s"] for r in rounds), default=math.nan)
+    checks = {
+        "goodput": ("pass" if goodput["lo"] >= GOODPUT_MIN else
+                    "fail" if goodput["hi"] < GOODPUT_MIN else "inconclusive"),
+        "split": ("pass" if lo_split <= split["lo"] and split["hi"] <= hi_split else
+                  "fail" if split["hi"] < lo_split or split["lo"] > hi_split else
+                  "inconclusive"),
+        "light": "pass" if non200 == 0 and ttft <= SLO_TTFT_S else "fail",
+    }
+    if not valid:
+        result = "unresolved"
+    elif "fail" in checks.values():
+        result = "fail"
+    elif "inconclusive" in checks.values():
+        result = "inconclusive"
+    else:
+        result = "pass"
+    return {"goodput": goodput, "aa": aa, "split": split, "valid": valid, "checks": checks,
+            "light_non200": non200, "light_ttft_p90_s": ttft, "result": result}
+
+
+def _fmt(i: dict) -> str:
+    return f"{i['estimate']:.3f}[{i['lo']:.3f},{i['hi']:.3f}]"
+
+
+def summary_line(rounds: int, capacity: float, v: dict) -> str:
+    """The last line (module docstring)."""
+    return (f"fairness rounds={rounds} capacity={capacity:.2f} goodput={_fmt(v['goodput'])} "
+            f"aa={_fmt(v['aa'])} split={_fmt(v['split'])} light_non200={v['light_non200']} "
+            f"light_ttft_p90_s={v['light_ttft_p90_s']:.2f} result={v['result']}")
+
+
+async def run_round(base_url: str, model: str, tokens: dict[str, str], capacity: float,
+                    order: Sequence[str], seed: int, flood_s: float, weighted_s: float) -> dict:
+    """One round (module docstring): the flood arms in ``order``, then the weighted run."""
+    rates = {"flood": FLOOD_X * capacity, "light": LIGHT_X * capacity}
+    goodput, light = {}, {}
+    for arm in order:
+        senders = ({k: (tokens[k], rate) for k, rate in rates.items()} if arm == "shared" else
+                   {k: (tokens["alone"], rate) for k, rate in rates.items()})
+        outcomes = await open_loop(base_url, model, senders, flood_s, seed=seed)
+        lo, hi = window(outcomes, flood_s)
+        goodput[arm] = served_in_window(outcomes, lo, hi, good_only=True) / (hi - lo)
+        if arm == "shared":
+            mine = [o for o in outcomes if o.tenant == "light"]
+            ttfts = [o.ttft_s for o in mine if o.ttft_s is not None]
+            light = {"sent": len(mine), "non200": sum(o.status != 200 for o in mine),
+                     "ttft_p90_s": p90(ttfts) if ttfts else math.inf,
+                     "reasons": sorted({o.reason for o in mine if o.reason})}
+    outcomes = await open_loop(base_url, model, {"heavy": (tokens["heavy"], HEAVY_X * capacity),
+                                                 "lighter": (tokens["lighter"],
+                                                             LIGHTER_X * capacity)},
+                               weighted_s, seed=1000 + seed)
+    lo, hi = window(outcomes, weighted_s)
+    split = {t: served_in_window([o for o in outcomes if o.tenant == t], lo, hi)
+             for t in ("heavy", "lighter")}
+    return {"seed": seed, "order": list(order), "goodput": goodput, "light": light,
+            "split": split}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI (module docstring). 0 unless the server could not start."""
+    from bench.process import ensure_tiny_model, start_serve, stop_process
+    from bench.progress import bar, say
+
+    p = argparse.ArgumentParser(prog="python -m bench.fairness",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=6, help="rounds (6: each order of the three "
+                   "flood arms once)")
+    p.add_argument("--flood-s", type=float, default=25.0, help="arrival seconds of a flood arm")
+    p.add_argument("--weighted-s", type=float, default=20.0,
+                   help="arrival seconds of the weighted run")
+    p.add_argument("--capacity", type=float, help="requests/s the rates are multiples of "
+                   "(default: measured first); fixed, two servers get the same arrivals")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench/out"))
+    args = p.parse_args(argv)
+    if args.rounds < 2:
+        p.error("--rounds must be >= 2 (an interval needs two)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokens = write_keys(args.out / "fairness-keys.json")
+    model_dir = ensure_tiny_model()
+    log = args.out / "fairness-server.log"
+    print(f"fairness: starting python -m serve on the tiny model (log {log}) ...",
+          file=sys.stderr, flush=True)
+    server = start_serve([*server_args(), "--keys-file", str(args.out / "fairness-keys.json")],
+                         log, model_dir=model_dir)
+    t0 = time.perf_counter()
+    rounds: list[dict] = []
+    try:
+        model = httpx.get(f"{server.base_url}/v1/models", timeout=10, headers={
+            "Authorization": f"Bearer {tokens['alone']}"}).json()["data"][0]["id"]
+        capacity = args.capacity or asyncio.run(capacity_rps(server.base_url, model,
+                                                             tokens["alone"]))
+        say(f"capacity {capacity:.2f} requests/s ({'given' if args.capacity else 'measured'})")
+        orders = stats.balanced_orders(args.rounds, FLOOD_ARMS, random.Random(args.seed))
+        with bar(args.rounds, "fairness rounds", "round") as progress:
+            for k, order in enumerate(orders):
+                r = asyncio.run(run_round(server.base_url, model, tokens, capacity, order,
+                                          args.seed + k, args.flood_s, args.weighted_s))
+                rounds.append(r)
+                g = r["goodput"]
+                say(f"round {k + 1} ({','.join(order)}): good/s shared {g['shared']:.2f} "
+                    f"alone {g['alone']:.2f} alone2 {g['alone2']:.2f}; split heavy "
+                    f"{r['split']['heavy']:.1f} lighter {r['split']['lighter']:.1f}; light "
+                    f"{r['light']['non200']} non-200 of {r['light']['sent']}, TTFT p90 "
+                    f"{r['light']['ttft_p90_s']:.2f} s")
+                progress.update()
+    finally:
+        stop_process(server)
+    verdict = judge(rounds)
+    (args.out / "fairness.json").write_text(json.dumps(
+        {"capacity_rps": capacity, "rounds": rounds, "verdict": verdict,
+         "elapsed_s": time.perf_counter() - t0, "args": {k: str(v) for k, v in
+                                                        vars(args).items()}}, indent=1))
+    say(f"goodput bootstrap [{verdict['goodput']['boot_lo']:.3f},"
+        f"{verdict['goodput']['boot_hi']:.3f}], A/A [{verdict['aa']['boot_lo']:.3f},"
+        f"{verdict['aa']['boot_hi']:.3f}], split [{verdict['split']['boot_lo']:.3f},"
+        f"{verdict['split']['boot_hi']:.3f}]; checks {verdict['checks']}; "
+        f"{statistics.fmean(r['goodput']['alone'] for r in rounds):.2f} good answers/s alone")
+    print(summary_line(len(rounds), capacity, verdict), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
