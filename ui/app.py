@@ -43,6 +43,7 @@ from ui.history import ANSWER_KEY, Conversation, HistoryImage, Turn
 from ui.settings import UISettings
 from ui.stats import AnswerStats
 from ui.storage import LocalStorageClient, add_file_route
+from ui.throttle import TokenBatcher
 from ui.uploads import EmptyUploadGuard
 from ui.users import Accounts, LoginLimiter, UsersFile
 
@@ -308,6 +309,7 @@ async def stream_answer(body: dict, conversation: Conversation, seen: str | None
     (also a stopped one) becomes the assistant turn; a failed request drops the user turn."""
     msg = cl.Message(content="")
     stats = AnswerStats()
+    batcher = TokenBatcher()  # fewer page updates than tokens (ui/throttle.py)
     events = api.stream_chat(body, user=cl.context.session.user.identifier,
                              conversation=cl.context.session.thread_id)
     try:
@@ -318,10 +320,13 @@ async def stream_answer(body: dict, conversation: Conversation, seen: str | None
             async for event in events:
                 if isinstance(event, Token):
                     stats.on_token()
-                    await msg.stream_token(event.text)
+                    piece = batcher.add(event.text)
+                    if piece:
+                        await msg.stream_token(piece)
                 elif isinstance(event, Usage):
                     stats.on_usage(event.usage)
     except ApiError as exc:
+        msg.content += batcher.rest()  # finish_answer sends the whole content
         conversation.pop_unanswered()
         if stats.chunks:  # failed mid-answer: keep what the user saw, out of the history
             await finish_answer(msg, stats, in_history=False, seen=seen)
@@ -329,9 +334,11 @@ async def stream_answer(body: dict, conversation: Conversation, seen: str | None
         return
     except asyncio.CancelledError:  # Stop: leaving the stream closed the HTTP request
         stats.stopped = True
+        msg.content += batcher.rest()
         conversation.add(Turn("assistant", msg.content, message_id=msg.id))
         await finish_answer(msg, stats, in_history=True, seen=seen)
         raise
+    msg.content += batcher.rest()
     conversation.add(Turn("assistant", msg.content, message_id=msg.id))
     await finish_answer(msg, stats, in_history=True, seen=seen)
 

@@ -333,3 +333,21 @@ def test_answer_stats():
     stopped.on_token()
     stopped.stopped = True
     assert stopped.line() == "TTFT 1.00 s · – tok/s · 1 tokens · stopped"
+
+
+def test_streamed_tokens_reach_the_page_in_pieces_at_most_every_interval():
+    from ui.throttle import TokenBatcher
+
+    now = [0.0]
+    batcher = TokenBatcher(0.05, clock=lambda: now[0])
+    assert batcher.add("Once") == "Once"  # the first token at once: the TTFT the user sees
+    sent = []
+    for k in range(10):  # 10 tokens over 45 ms: kept
+        now[0] += 0.0045
+        sent.append(batcher.add(f" t{k}"))
+    assert sent == [None] * 10
+    now[0] = 0.051
+    assert batcher.add(" end") == "".join(f" t{k}" for k in range(10)) + " end"
+    now[0] = 0.06
+    assert batcher.add(" tail") is None
+    assert batcher.rest() == " tail" and batcher.rest() == ""
