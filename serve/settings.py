@@ -52,9 +52,9 @@ API_PROCESS_CORES = 2
 #: Cores a CPU engine leaves to the API process (its OpenMP threads are the other cores):
 #: vLLM's own CPU default (``vllm/utils/ompmultiprocessing.py``, ``OMPProcessManager``
 #: reserves ``local_world_size`` cores, one here, for the process beside the workers). With
-#: every core the engine's, each burst of HTTP work (a flood of arrivals and refusals)
-#: descheduled one of its OpenMP threads and the others spun at their barrier: decoding fell
-#: several-fold for seconds (``bench/README.md``, "make bench-fairness").
+#: every core the engine's, any burst of HTTP work (a flood of arrivals and refusals)
+#: deschedules one of its OpenMP threads while the others spin at their barrier, and decoding
+#: stalls until the burst ends.
 CPU_API_CORES = 1
 #: Most image workers sized automatically: each may hold one decoded image of
 #: ``max_image_pixels`` (120 MB at 40 MP, with its conversions a few times that).
