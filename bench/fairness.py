@@ -64,11 +64,15 @@ from bench import stats
 from bench.tenants import (
     SLO_TTFT_S,
     capacity_rps,
+    flood_load,
     open_loop,
     p90,
+    served_by_tenant,
     served_in_window,
     server_args,
+    weighted_load,
     window,
+    write_keys,
 )
 
 LEVEL = 0.90
@@ -78,23 +82,8 @@ GOODPUT_MIN = 0.95
 AA_BAND = 0.95
 #: Weights 3:1 and the issue's tolerance of +-15 %.
 SPLIT_TARGET, SPLIT_TOLERANCE = 3.0, 0.15
-#: Rates, multiples of the measured capacity.
-FLOOD_X, LIGHT_X, HEAVY_X, LIGHTER_X = 4.0, 0.2, 2.0, 1.0
-TENANTS = {"flood": 1, "light": 1, "alone": 1, "heavy": 3, "lighter": 1}
 FLOOD_ARMS = ("shared", "alone", "alone2")
 BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 2000, 0
-
-
-def write_keys(path: Path) -> dict[str, str]:
-    """A keys file of :data:`TENANTS` (name: weight) at ``path``; ``{tenant: token}``."""
-    from serve.keys import KeysFile
-
-    content, tokens = KeysFile(), {}
-    for name, weight in TENANTS.items():
-        content.set_tenant(name, weight=weight)
-        tokens[name] = content.add_key(name)[1]
-    content.write(path)
-    return tokens
 
 
 def interval(log_values: Sequence[float]) -> dict:
@@ -159,12 +148,11 @@ def summary_line(rounds: int, capacity: float, v: dict) -> str:
 async def run_round(base_url: str, model: str, tokens: dict[str, str], capacity: float,
                     order: Sequence[str], seed: int, flood_s: float, weighted_s: float) -> dict:
     """One round (module docstring): the flood arms in ``order``, then the weighted run."""
-    rates = {"flood": FLOOD_X * capacity, "light": LIGHT_X * capacity}
     goodput, light = {}, {}
     for arm in order:
-        senders = ({k: (tokens[k], rate) for k, rate in rates.items()} if arm == "shared" else
-                   {k: (tokens["alone"], rate) for k, rate in rates.items()})
-        outcomes = await open_loop(base_url, model, senders, flood_s, seed=seed)
+        outcomes = await open_loop(base_url, model,
+                                   flood_load(tokens, capacity, alone=arm != "shared"),
+                                   flood_s, seed=seed)
         lo, hi = window(outcomes, flood_s)
         goodput[arm] = served_in_window(outcomes, lo, hi, good_only=True) / (hi - lo)
         if arm == "shared":
@@ -173,13 +161,9 @@ async def run_round(base_url: str, model: str, tokens: dict[str, str], capacity:
             light = {"sent": len(mine), "non200": sum(o.status != 200 for o in mine),
                      "ttft_p90_s": p90(ttfts) if ttfts else math.inf,
                      "reasons": sorted({o.reason for o in mine if o.reason})}
-    outcomes = await open_loop(base_url, model, {"heavy": (tokens["heavy"], HEAVY_X * capacity),
-                                                 "lighter": (tokens["lighter"],
-                                                             LIGHTER_X * capacity)},
-                               weighted_s, seed=1000 + seed)
-    lo, hi = window(outcomes, weighted_s)
-    split = {t: served_in_window([o for o in outcomes if o.tenant == t], lo, hi)
-             for t in ("heavy", "lighter")}
+    outcomes = await open_loop(base_url, model, weighted_load(tokens, capacity), weighted_s,
+                               seed=1000 + seed)
+    split = served_by_tenant(outcomes, weighted_s, ("heavy", "lighter"))
     return {"seed": seed, "order": list(order), "goodput": goodput, "light": light,
             "split": split}
 

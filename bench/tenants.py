@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -31,8 +32,45 @@ SLO_ITL_S = 1.0
 WARM_S = 6.0
 
 
+#: The tenants of the load (name: weight): a flooding one and a light one, one that sends the
+#: same arrivals alone, and two of weights 3:1.
+TENANTS = {"flood": 1, "light": 1, "alone": 1, "heavy": 3, "lighter": 1}
+#: Rates, multiples of the server's capacity: the flood (4x) beside the light tenant (0.2x,
+#: well under its share), and weights 3:1 at 2x and 1x (each well over its share of 0.75 and
+#: 0.25, so both queues grow even when the capacity was under-measured).
+FLOOD_X, LIGHT_X, HEAVY_X, LIGHTER_X = 4.0, 0.2, 2.0, 1.0
+
+
+def write_keys(path: Path) -> dict[str, str]:
+    """A keys file of :data:`TENANTS` at ``path`` (``serve.keys``); ``{tenant: API key}``."""
+    from serve.keys import KeysFile
+
+    content, tokens = KeysFile(), {}
+    for name, weight in TENANTS.items():
+        content.set_tenant(name, weight=weight)
+        tokens[name] = content.add_key(name)[1]
+    content.write(path)
+    return tokens
+
+
+def flood_load(tokens: dict[str, str], capacity: float,
+               alone: bool = False) -> dict[str, tuple[str, float]]:
+    """The senders of :func:`open_loop` for the flood: ``flood`` at :data:`FLOOD_X` and
+    ``light`` at :data:`LIGHT_X` times ``capacity`` (requests/s); with ``alone``, the same
+    arrivals all sent with tenant ``alone``'s key."""
+    return {name: (tokens["alone" if alone else name], x * capacity)
+            for name, x in (("flood", FLOOD_X), ("light", LIGHT_X))}
+
+
+def weighted_load(tokens: dict[str, str], capacity: float) -> dict[str, tuple[str, float]]:
+    """The senders of :func:`open_loop` for joint overload: ``heavy`` (weight 3) at
+    :data:`HEAVY_X` and ``lighter`` (weight 1) at :data:`LIGHTER_X` times ``capacity``."""
+    return {name: (tokens[name], x * capacity)
+            for name, x in (("heavy", HEAVY_X), ("lighter", LIGHTER_X))}
+
+
 def server_args(max_num_seqs: int = 8) -> list[str]:
-    """The flags of a server under this load (with ``--keys-file`` added by the caller): a
+    """The flags of a server under this load (with ``--keys-file`` of :func:`write_keys`): a
     small ``max_num_seqs`` so that the queues form in the gateway, where fairness acts, and
     the SLOs above, with the queue wait bounded by the TTFT target."""
     return ["--max-num-seqs", str(max_num_seqs), "--slo-ttft-s", str(SLO_TTFT_S),
@@ -151,12 +189,6 @@ def window(outcomes: list[Outcome], duration_s: float) -> tuple[float, float]:
     return start + WARM_S, start + duration_s
 
 
-def in_window(outcomes: list[Outcome], duration_s: float) -> list[Outcome]:
-    """The answers that ended inside :func:`window`."""
-    lo, hi = window(outcomes, duration_s)
-    return [o for o in outcomes if lo <= o.done_at <= hi]
-
-
 def served_in_window(outcomes: Iterable[Outcome], lo: float, hi: float,
                      good_only: bool = False) -> float:
     """Answers served inside ``[lo, hi]``, each counted by the share of its decoding (first
@@ -176,3 +208,12 @@ def served_in_window(outcomes: Iterable[Outcome], lo: float, hi: float,
             continue
         total += max(0.0, min(hi, o.done_at) - max(lo, o.first_at)) / span
     return total
+
+
+def served_by_tenant(outcomes: list[Outcome], duration_s: float,
+                     tenants: Iterable[str]) -> dict[str, float]:
+    """Each tenant's answers served in the loaded :func:`window` of an open-loop run of
+    ``duration_s`` seconds (:func:`served_in_window`)."""
+    lo, hi = window(outcomes, duration_s)
+    return {t: served_in_window([o for o in outcomes if o.tenant == t], lo, hi)
+            for t in tenants}

@@ -317,16 +317,18 @@ async def stream_answer(body: dict, conversation: Conversation, seen: str | None
         # not the stream, must still close the stream here, in this task: left to the
         # garbage collector, the HTTP request stayed open and vLLM kept generating.
         async with contextlib.aclosing(events):
-            async for event in events:
-                if isinstance(event, Token):
-                    stats.on_token()
-                    piece = batcher.add(event.text)
-                    if piece:
-                        await msg.stream_token(piece)
-                elif isinstance(event, Usage):
-                    stats.on_usage(event.usage)
+            try:
+                async for event in events:
+                    if isinstance(event, Token):
+                        stats.on_token()
+                        piece = batcher.add(event.text)
+                        if piece:
+                            await msg.stream_token(piece)
+                    elif isinstance(event, Usage):
+                        stats.on_usage(event.usage)
+            finally:  # however it ended, the answer holds every token (finish_answer sends it)
+                msg.content += batcher.rest()
     except ApiError as exc:
-        msg.content += batcher.rest()  # finish_answer sends the whole content
         conversation.pop_unanswered()
         if stats.chunks:  # failed mid-answer: keep what the user saw, out of the history
             await finish_answer(msg, stats, in_history=False, seen=seen)
@@ -334,11 +336,9 @@ async def stream_answer(body: dict, conversation: Conversation, seen: str | None
         return
     except asyncio.CancelledError:  # Stop: leaving the stream closed the HTTP request
         stats.stopped = True
-        msg.content += batcher.rest()
         conversation.add(Turn("assistant", msg.content, message_id=msg.id))
         await finish_answer(msg, stats, in_history=True, seen=seen)
         raise
-    msg.content += batcher.rest()
     conversation.add(Turn("assistant", msg.content, message_id=msg.id))
     await finish_answer(msg, stats, in_history=True, seen=seen)
 

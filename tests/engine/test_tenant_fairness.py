@@ -1,9 +1,9 @@
 """Fair admission between tenants on the real tiny engine (serve.admission.fair): a tenant
 flooding the server leaves a light one its TTFT, and weights split the slots.
 
-One server, a keys file of four tenants. The load is open-loop (Poisson arrivals at a rate
-relative to the capacity measured first, short chats of a fixed length), streamed, so every
-request's TTFT is the client's.
+One server, the keys file of ``bench.tenants`` (five tenants). The load is open-loop (Poisson
+arrivals at a rate relative to the capacity measured first, short chats of a fixed length),
+streamed, so every request's TTFT is the client's.
 """
 
 from __future__ import annotations
@@ -18,22 +18,21 @@ from bench.tenants import (
     SLO_TTFT_S,
     WARM_S,
     capacity_rps,
+    flood_load,
     open_loop,
     p90,
-    served_in_window,
+    served_by_tenant,
     server_args,
-    window,
+    weighted_load,
+    write_keys,
 )
-from tests.helpers import add_key, start_server, stop_server
+from tests.helpers import start_server, stop_server
 
 
 @pytest.fixture(scope="module")
 def tenants_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
-    tokens = {"flood": add_key(path, "flood"), "light": add_key(path, "light"),
-              "alone": add_key(path, "alone"),
-              "heavy": add_key(path, "heavy", "--weight", "3"),
-              "lighter": add_key(path, "lighter", "--weight", "1")}
+    tokens = write_keys(path)
     srv = start_server([*server_args(), "--keys-file", str(path)], name="tenants-server")
     try:
         capacity = asyncio.run(capacity_rps(srv.base_url, srv.model, tokens["alone"]))
@@ -48,8 +47,8 @@ def flood_run(tenants_server):
     goodput against one tenant's is judged in rounds by ``make bench-fairness``: one pair of
     runs here spread 0.71-1.39.)"""
     srv, tokens, capacity = tenants_server
-    load = {"flood": (tokens["flood"], 4 * capacity), "light": (tokens["light"], 0.2 * capacity)}
-    shared = asyncio.run(open_loop(srv.base_url, srv.model, load, duration_s=15))
+    shared = asyncio.run(open_loop(srv.base_url, srv.model, flood_load(tokens, capacity),
+                                   duration_s=15))
     print(f"flood: {sum(o.good for o in shared)} good answers, "
           f"{sum(o.status != 200 for o in shared if o.tenant == 'light')} light refused")
     return shared
@@ -89,15 +88,14 @@ def weighted_run(tenants_server):
     srv, tokens, capacity = tenants_server
     duration_s, tenants = 20, ("heavy", "lighter")
     outcomes, samples = asyncio.run(sample_slots(srv, tenants, open_loop(
-        srv.base_url, srv.model, {"heavy": (tokens["heavy"], 2 * capacity),
-              "lighter": (tokens["lighter"], capacity)}, duration_s=duration_s, seed=1)))
+        srv.base_url, srv.model, weighted_load(tokens, capacity), duration_s=duration_s,
+        seed=1)))
     joint = [s for s in samples if WARM_S <= s["at"] <= duration_s
              and all(s.get(("phi3v_tenant_pending_requests", t), 0) > 0 for t in tenants)]
     slots = {t: statistics.fmean(s[("phi3v_tenant_running_requests", t)] for s in joint)
              for t in tenants} if joint else {}
-    lo, hi = window(outcomes, duration_s)
-    completed = {t: round(served_in_window([o for o in outcomes if o.tenant == t], lo, hi), 1)
-                 for t in tenants}
+    completed = {t: round(n, 1) for t, n in served_by_tenant(outcomes, duration_s,
+                                                             tenants).items()}
     print(f"weights 3:1: mean slots held under joint overload {slots} ({len(joint)} of "
           f"{len(samples)} samples); completed while loaded {completed}; in all "
           f"{ {t: sum(o.status == 200 for o in outcomes if o.tenant == t) for t in tenants} }")
