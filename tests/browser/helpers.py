@@ -135,6 +135,13 @@ class ChatPage:
         await self.page.goto(self.base_url)
         await self.wait_session()
 
+    async def open_thread(self, tid: str) -> None:
+        """Open thread ``tid`` by its address and wait until it resumed: its session runs (the
+        composer is there) and its first answer has rendered."""
+        await self.page.goto(f"{self.base_url}/thread/{tid}")
+        await self.wait_session()
+        await self.page.locator(self.ASSISTANT).first.wait_for(timeout=20_000)
+
     async def attach(self, *files) -> None:
         """Choose files with the upload button (paths, or Playwright file payload dicts)."""
         await self.page.set_input_files("#upload-button-input", list(files))

@@ -102,6 +102,9 @@ async def test_two_users_each_see_only_their_own(browser, team_ui, server, team_
     assert [t["id"] for t in await threads_of(alice)] == [thread["id"]]  # still there
 
     # Alice's quota holds one chelsea.png: a second is refused, with the figures, and not kept.
+    # (Her thread is opened by its address: after the reload above the page may show it
+    # before its session resumed, when there is no composer yet.)
+    await alice.open_thread(thread["id"])
     await alice.attach(IMAGES / "chelsea.png")
     await alice.wait_attached(1)
     await alice.send("the same cat again")

@@ -133,12 +133,6 @@ async def thread_id(chat: ChatPage, name: str) -> str:
     return found
 
 
-async def open_thread(chat: ChatPage, tid: str) -> None:
-    await chat.page.goto(f"{chat.base_url}/thread/{tid}")
-    await chat.wait_session()
-    await chat.page.locator(ChatPage.ASSISTANT).first.wait_for(timeout=20_000)
-
-
 async def edit(chat: ChatPage, old_text: str, new_text: str, screenshot: str = "") -> None:
     """Edit the user message ``old_text`` like a person: hover it, the pencil, type, confirm
     (a screenshot named ``screenshot`` before confirming)."""
@@ -278,7 +272,7 @@ async def test_settings_reach_the_server_and_survive_a_restart(chat, proxy, ui, 
     stop_ui(ui["proc"])  # a restart: the socket never says goodbye
     ui["proc"] = launch_ui(proxy, ui_data)
     chat.base_url = ui["proc"].url
-    await open_thread(chat, tid)
+    await chat.open_thread(tid)
     await open_settings(chat)
     assert await chat.page.input_value("#system_prompt") == prompt
     assert await chat.page.input_value("#max_tokens") == "9"
@@ -294,7 +288,7 @@ async def test_settings_reach_the_server_and_survive_a_restart(chat, proxy, ui, 
 async def test_export_after_a_restart(chat, photo_chat, ui_data):
     """Markdown, JSON and zip of the photo chat, from the store of the restarted UI (which
     kept Regenerate on the newest answer)."""
-    await open_thread(chat, photo_chat["thread"])
+    await chat.open_thread(photo_chat["thread"])
     assert await regenerate_button(chat).count() == 1
     await chat.page.click("#command-Export")
     await chat.page.click("#chat-submit")
