@@ -29,8 +29,8 @@ per-round log-ratios with a 90 % Student-t interval, cross-checked by a bootstra
 ``exp`` of each. Verdicts (issue targets: total goodput >= 0.95 of a single-tenant run; a 3:1
 split +-15 %; the light tenant never refused, its TTFT p90 within the SLO):
 
-- **unresolved**: the A/A interval is not inside [0.95, 1/0.95]: the instrument cannot tell
-  two identical runs apart within the goodput margin, so the run judges nothing;
+- **unresolved**: the A/A interval is not inside [0.90, 1/0.90] (:data:`AA_BAND`): two
+  identical runs differ more than the instrument may, so the run judges nothing;
 - goodput: **pass** when the interval's lower end is >= 0.95, **fail** when its upper end is
   below, else **inconclusive**;
 - split: **pass** when the interval lies inside [2.55, 3.45], **fail** when it lies wholly
@@ -78,8 +78,12 @@ from bench.tenants import (
 LEVEL = 0.90
 #: Goodput of the shared run over the single-tenant run: the lower end must reach it.
 GOODPUT_MIN = 0.95
-#: The A/A interval must lie inside [AA_BAND, 1 / AA_BAND]: as tight as the goodput margin.
-AA_BAND = 0.95
+#: The A/A interval must lie inside [AA_BAND, 1 / AA_BAND]: the band of ``make bench``'s
+#: TTFT cells (``bench/README.md``), which like this goodput are latency-bound measures of a
+#: loaded server. It asks that two identical runs not differ beyond it, not that the control
+#: be as tight as the goodput margin: that margin is judged by the goodput interval itself,
+#: which the same run-to-run noise widens alike, so a noisy run ends inconclusive, never pass.
+AA_BAND = 0.90
 #: Weights 3:1 and the issue's tolerance of +-15 %.
 SPLIT_TARGET, SPLIT_TOLERANCE = 3.0, 0.15
 FLOOD_ARMS = ("shared", "alone", "alone2")

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from bench.fairness import judge, summary_line
+from bench.fairness import AA_BAND, judge, summary_line
 from bench.tenants import Outcome, served_in_window, window
 
 N3 = r"\d+\.\d{3}\[\d+\.\d{3},\d+\.\d{3}\]"
@@ -73,6 +73,20 @@ def test_a_fair_run_passes_and_its_line_parses():
 def test_a_wide_a_a_control_leaves_the_run_unresolved_whatever_it_shows():
     v = judge(rounds(noise=0.2, shared=0.5))
     assert not v["valid"] and v["result"] == "unresolved", v
+
+
+def test_a_biased_a_a_control_leaves_the_run_unresolved():
+    v = judge(rounds(aa=1.2, noise=0.01))
+    assert v["aa"]["lo"] > 1 / AA_BAND and v["result"] == "unresolved", v
+
+
+def test_a_control_wider_than_the_goodput_margin_but_inside_its_band_still_judges():
+    # The run-to-run noise that widens the control widens the goodput interval too: a true
+    # ratio at the 0.95 margin cannot pass, a clear one does.
+    v = judge(rounds(noise=0.1, n=12, shared=0.95))
+    assert v["valid"] and not (0.95 <= v["aa"]["lo"] and v["aa"]["hi"] <= 1 / 0.95), v["aa"]
+    assert v["checks"]["goodput"] == "inconclusive", v["goodput"]
+    assert judge(rounds(noise=0.1, n=12, shared=1.2))["checks"]["goodput"] == "pass"
 
 
 def test_a_goodput_loss_fails_and_an_uncertain_one_is_inconclusive():
