@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -349,11 +350,15 @@ def photos_cell_seeds(seed: int, block: int, concurrency: int) -> list[int]:
     return [base + k for k in range(2 * concurrency)]
 
 
-def run_w1(url: str, spec: W1Cell, seed: int, inputs: Inputs) -> dict:
-    """One W1 segment; metrics in the ledger's names (:mod:`bench.verdict`)."""
+def run_w1(url: str, spec: W1Cell, seed: int, inputs: Inputs,
+           meter: contextlib.AbstractContextManager | None = None) -> dict:
+    """One W1 segment; metrics in the ledger's names (:mod:`bench.verdict`). ``meter`` spans
+    the requests only: the two ``/metrics`` scrapes around them (vLLM's engine-side TTFT)
+    cost the API process milliseconds each, which are no request's."""
     before = w.engine_ttft_totals(url)
-    r = w.serving_benchmark(url, inputs.model_dir, inputs.model, spec.kind, spec.concurrency,
-                            spec.prompts, seed, inputs.log, warmups=0)
+    with meter or contextlib.nullcontext():
+        r = w.serving_benchmark(url, inputs.model_dir, inputs.model, spec.kind,
+                                spec.concurrency, spec.prompts, seed, inputs.log, warmups=0)
     after = w.engine_ttft_totals(url)
     engine = ((after[0] - before[0]) / (after[1] - before[1]) * 1000
               if after[1] > before[1] else None)
@@ -370,14 +375,23 @@ def _ok_ttfts_ms(results: list[w.StreamResult]) -> list[float]:
 
 
 def run_cell(url: str, cell: str, spec: W1Cell | str, block_seed: int, photos: list[str],
-             inputs: Inputs) -> dict:
-    """One segment of ``cell`` against the server at ``url``. Returns its metrics.
+             inputs: Inputs,
+             meter: contextlib.AbstractContextManager | None = None) -> dict:
+    """One segment of ``cell`` against the server at ``url``, its requests inside ``meter``.
+    Returns its metrics.
 
     Raises:
         RuntimeError: a photo or history request failed (a W1 or burst failure is counted).
     """
     if isinstance(spec, W1Cell):
-        return run_w1(url, spec, block_seed, inputs)
+        return run_w1(url, spec, block_seed, inputs, meter)
+    with meter or contextlib.nullcontext():
+        return _run_requests(url, spec, block_seed, photos, inputs)
+
+
+def _run_requests(url: str, spec: str, block_seed: int, photos: list[str],
+                  inputs: Inputs) -> dict:
+    """The requests of a cell that is not W1 (:func:`run_cell`)."""
     if spec == "photo":
         (ttft,) = _ok_ttfts_ms(asyncio.run(w.photo_ttft(url, inputs.model, photos[:1])))
         return {"ttft_ms": ttft, "completed": 1}
@@ -443,8 +457,8 @@ def run_row(run: Run, arms: dict[str, ManagedServer], half: int, block: int, cel
     for position, arm in enumerate(order):
         if bar is not None:
             bar.set_postfix_str(f"{cell} {arm}" + (f" (again, {rerun})" if rerun else ""))
-        with Meter(arms, arm) as meter:
-            metrics = run_cell(arms[arm].base_url, cell, spec, seed, photos, inputs)
+        meter = Meter(arms, arm)
+        metrics = run_cell(arms[arm].base_url, cell, spec, seed, photos, inputs, meter)
         n = max(metrics.get("completed", 0), 1)
         metrics["api_cpu_ms"] = meter.api_s * 1000 / n
         metrics["engine_cpu_ms"] = meter.engine_s * 1000 / n
