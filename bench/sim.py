@@ -378,6 +378,8 @@ class SimGate:
         self.shed_ttft_s = shed_ttft_s
         self.on_admit = on_admit
         self.on_drop = on_drop
+        #: id(queued result) -> (latest admission time, whether the TTFT deadline set it).
+        self._deadlines: dict[int, tuple[float, bool]] = {}
 
     @property
     def limit(self) -> int:
@@ -416,6 +418,12 @@ class SimGate:
                                  self.queue.ahead(tenant, self.slots.ahead())) is not None:
             self.on_drop(result, SLO_REJECT)
             return
+        # The limiter's wait bound, fixed when the request queues (AdmissionLimiter.acquire).
+        bound = self.slots.queue_wait_bound_s(self.shed_ttft_s) \
+            if self.queue.over_share(tenant) else None
+        deadline = bound is not None and bound < self.max_queue_wait_s
+        self._deadlines[id(result)] = (
+            result.arrival_s + (bound if deadline else self.max_queue_wait_s), deadline)
         self.queue.push(tenant, result, self.weights.get(tenant, 1.0))
 
     def _granted(self, slot: Slot, tenant: str) -> Slot:
@@ -424,16 +432,19 @@ class SimGate:
         return slot
 
     def expire(self) -> None:
-        """Reject queued requests that have waited longer than ``max_queue_wait_s`` (each
-        tenant's FIFO is in arrival order: only heads can have expired first)."""
+        """Reject queued requests past their wait bound: ``max_queue_wait_s``, or the TTFT
+        deadline (:meth:`SlotCounter.queue_wait_bound_s`, reason ``slo``). Only each FIFO's
+        head is checked, as it is the only one :meth:`_wake` admits next (a later request's
+        deadline can come first when the bound shrank; it is refused once it is a head)."""
         now = self.clock()
         expired = True
         while expired:
             expired = [(t, r) for t, r in self.queue.heads()
-                       if now - r.arrival_s > self.max_queue_wait_s]
+                       if now > self._deadlines[id(r)][0]]
             for tenant, result in expired:
                 self.queue.remove(tenant, result)
-                self.on_drop(result, QUEUE_TIMEOUT)
+                _, deadline = self._deadlines.pop(id(result))
+                self.on_drop(result, SLO_REJECT if deadline else QUEUE_TIMEOUT)
 
     def _wake(self) -> None:
         self.expire()
@@ -442,6 +453,7 @@ class SimGate:
             if not self.slots.admits(result.request.prompt_tokens):
                 break
             self.queue.pop(tenant)
+            del self._deadlines[id(result)]
             self.on_admit(result, self._granted(
                 self.slots.take(result.arrival_s, result.request.prompt_tokens, queued=True),
                 tenant))
@@ -648,7 +660,7 @@ class Simulation:
         result = seq.result
         result.finish_s = self.now
         result.tokens = seq.generated
-        seq.slot.release(completed=True)
+        seq.slot.release(completed=True, first_token_at=result.first_token_s)
         done.append(FinishedRequestStats(
             seq.prompt, seq.generated, result.preemptions,
             (self.now - result.first_token_s) / max(1, seq.generated - 1)))

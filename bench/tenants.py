@@ -29,9 +29,10 @@ SLO_TTFT_S = 10.0
 SLO_ITL_S = 1.0
 #: The gateway's bound on a request's queue wait (``--max-queue-wait-s``): the TTFT target less
 #: the time from admission to the first token with every slot busy (a prefill beside the
-#: decoding answers, about a second here). Bounded by the TTFT target itself, a request let in
-#: at the end of its wait misses the target by that time, and under a flood many are let in
-#: there: whether each made it or not would be the goodput's noise (``docs/admission.md``).
+#: decoding answers, about a second here). The server's queue deadline does the same once a
+#: flood's opening burst window (the TTFT target) has passed, not inside it; bounded by the
+#: target itself there, a request let in at the end of its wait misses the target by that
+#: time, and whether each did would be the goodput's noise (``docs/admission.md``).
 MAX_QUEUE_WAIT_S = SLO_TTFT_S - 2.0
 #: Seconds from a run's first arrival before its counts start: an idle server first fills in
 #: arrival order, and the queues build up.

@@ -111,6 +111,14 @@ class FairQueue(Generic[T]):
         share = self.share(tenant)
         return share < 1.0 and self._in_flight[tenant] < share * sum(self._in_flight.values())
 
+    def over_share(self, tenant: str) -> bool:
+        """Whether ``tenant`` is the only active tenant or holds more slots than its share of
+        those in use: what it waits for is its own load, not the others'. The queue deadline
+        (``AdmissionLimiter.acquire``) refuses only such a tenant's requests, so a tenant
+        within its share is never refused for the others' flood."""
+        share = self.share(tenant)
+        return share >= 1.0 or self._in_flight[tenant] > share * sum(self._in_flight.values())
+
     def ahead(self, tenant: str, ahead: int) -> int:
         """How many of the ``ahead`` admitted requests still waiting for a batch slot count
         against ``tenant``'s wait when it is shed or queued: none when it is

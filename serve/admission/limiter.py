@@ -159,7 +159,11 @@ class AdmissionLimiter:
             ttft_target_s: if given, a request whose expected queue wait already exceeds it is
                 shed at once (reason ``slo``; not during a burst at an idle engine:
                 :meth:`SlotCounter.slo_wait_s`). The wait is the tenant's
-                (:meth:`FairQueue.position`).
+                (:meth:`FairQueue.position`). A queued one is refused (reason ``slo``) once
+                it has waited the part of the target that the engine's recent time to a
+                first token leaves (:meth:`SlotCounter.queue_wait_bound_s`), when that is
+                shorter than ``max_queue_wait_s`` and its tenant is alone or over its share
+                (:meth:`FairQueue.over_share`).
             tokens: the request's prompt tokens, image tokens included (0: unknown), for a
                 burst's prefill budget (:meth:`SlotCounter.admits`).
             tenant: who sends it (the API key's tenant); ``weight`` (> 0) its share weight;
@@ -191,14 +195,27 @@ class AdmissionLimiter:
             raise Rejected(SLO, self.retry_after_s(tenant),
                            f"Server busy: {who}expected queue wait {wait:.1f}s exceeds the "
                            f"TTFT target {ttft_target_s:.1f}s.")
+        timeout = self.max_queue_wait_s
+        bound = self.slots.queue_wait_bound_s(ttft_target_s) \
+            if self.queue.over_share(tenant) else None
+        deadline = bound is not None and bound < timeout
+        if deadline:
+            timeout = bound
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         waiter = (fut, tokens, user)
         self.queue.push(tenant, waiter, weight, user)
         self._wake()  # it may be the next one already (another tenant's head is held back)
         try:
-            slot = await asyncio.wait_for(asyncio.shield(fut), self.max_queue_wait_s)
+            slot = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             self._abandon(tenant, waiter)
+            if deadline:
+                raise Rejected(SLO, self.retry_after_s(tenant),
+                               f"Server busy: {who}not admitted within {timeout:.1f}s, what "
+                               f"the TTFT target {ttft_target_s:.1f}s leaves before the "
+                               f"engine's first token (recently "
+                               f"{self.slots.first_token_s():.1f}s).",
+                               queue_wait_s=self._clock() - start) from None
             raise Rejected(QUEUE_TIMEOUT, self.retry_after_s(tenant),
                            f"Server busy: {who}not admitted within max_queue_wait_s="
                            f"{self.max_queue_wait_s:g}s.",

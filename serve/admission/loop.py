@@ -206,6 +206,11 @@ class AutotuneLoop:
             "engine_queue": self.limiter.engine_queue,
             "in_flight": self.limiter.in_flight,
             "pending": self.limiter.pending,
+            # The queue deadline's inputs: admission to first token (p90, seconds) of recent
+            # answers, and what it leaves of the TTFT target (SlotCounter.queue_wait_bound_s).
+            "first_token_p90_s": self.limiter.slots.first_token_s(),
+            "queue_wait_bound_s": self.limiter.slots.queue_wait_bound_s(
+                self.controller.config.ttft_target_s),
             "gpu_utilization_available": self.gpu.available,
             "last_signals": None if s is None else s.__dict__,
             **{k: v for k, v in self.controller.state().items() if k != "limit"},

@@ -249,7 +249,8 @@ class AdmissionMiddleware:
         finally:
             self.open.discard(tracker)
             completed = tracker.completed
-            slot.release(completed=completed)
+            first = tracker.chunk_times[0] if tracker.streaming and tracker.chunk_times else None
+            slot.release(completed=completed, first_token_at=first)
             if tracker.client_left:
                 metrics.aborted.inc()
             if tracker.streaming and tracker.chunk_times:

@@ -22,6 +22,9 @@ RULES: dict[str, str] = {
     "preemption_cut": "a preemption since the last tick cuts the limit",
     "kv_cache_cut": "KV-cache usage at or over kv_high_ratio cuts the limit",
     "slo_shed": "a request whose expected queue wait exceeds the TTFT target is refused at once",
+    "queue_deadline": "a queued request of a tenant alone or over its share is refused once "
+                      "less of the TTFT target is left than the recent time from admission "
+                      "to a first token",
     "kv_fit_probe": "a probe stops at the KV fit (running x kv_high / KV usage)",
     "idle_restore": "an idle engine takes the idle limit (fits of recent traffic)",
     "kv_idle_fit": "the idle limit is what the KV cache holds at the recent mean size",

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from serve.admission.burst import BurstAdmission
+from serve.admission.engine_stats import percentile
 from serve.admission.rules import check as check_rules
 
 
@@ -41,8 +42,10 @@ class Slot:
     def released(self) -> bool:
         return self._released
 
-    def release(self, completed: bool = True) -> bool:
-        """Give the slot back. ``completed`` feeds the completion-rate estimate.
+    def release(self, completed: bool = True, first_token_at: float | None = None) -> bool:
+        """Give the slot back. ``completed`` feeds the completion-rate estimate;
+        ``first_token_at`` (clock seconds, None: no first token seen) the time from admission
+        to a first token (:meth:`SlotCounter.first_token_s`).
 
         Returns:
             True the first time, False on any later call (idempotent).
@@ -52,8 +55,15 @@ class Slot:
         self._released = True
         if self.on_release is not None:
             self.on_release()
-        self._counter.release(completed)
+        first = None if first_token_at is None else first_token_at - self.admitted_at
+        self._counter.release(completed, first)
         return True
+
+
+#: Answers over which :meth:`SlotCounter.first_token_s` takes its median: recent enough to
+#: follow a change of load within a few dozen answers, enough that one slow answer (a long
+#: prompt, an image) moves it little.
+FIRST_TOKEN_SAMPLES = 32
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,9 @@ class SlotCounter:
         self._completions: collections.deque[tuple[float, float]] = collections.deque()
         self._busy_total_s = 0.0
         self._busy_since: float | None = None
+        #: Seconds from admission to first token of the most recent answers.
+        self._first_tokens: collections.deque[float] = collections.deque(
+            maxlen=FIRST_TOKEN_SAMPLES)
 
     @property
     def limit(self) -> int:
@@ -244,13 +257,39 @@ class SlotCounter:
         self._count(+1)
         return Slot(self, now, now - arrived_at)
 
-    def release(self, completed: bool) -> None:
+    def release(self, completed: bool, first_token_s: float | None = None) -> None:
         """A slot is given back (by :meth:`Slot.release`, or by a waiter that left after it
-        was granted one)."""
+        was granted one); ``first_token_s``: seconds from its admission to its first token
+        (None: none seen)."""
         self._count(-1)
         if completed:
             self._completions.append((self.clock(), self.busy_s()))
+        if first_token_s is not None and first_token_s >= 0:
+            self._first_tokens.append(first_token_s)
         self._notify()
+
+    def first_token_s(self) -> float | None:
+        """Seconds from admission to first token, the 90th percentile over the last
+        :data:`FIRST_TOKEN_SAMPLES` answers that had one (None: none yet): a request let in
+        at its deadline (:meth:`queue_wait_bound_s`) then gets its first token in time as
+        most recent answers did, not half of them; the p90, as the autotuner judges TTFT."""
+        return percentile(list(self._first_tokens), 90)
+
+    def queue_wait_bound_s(self, ttft_target_s: float | None) -> float | None:
+        """The longest a request may still wait for a slot and meet ``ttft_target_s``: the
+        target less :meth:`first_token_s`, at least 0 (rule ``queue_deadline``). A request
+        still queued past it can no longer be a good answer, while the slot it would take
+        can serve one that still can; holding it delays every request behind it too.
+
+        None (no bound beyond the caller's ``max_queue_wait_s``): no target, no first token
+        seen yet, the rule ablated, or a burst at an idle counter open, whose requests wait
+        for its first wave as in :meth:`slo_wait_s`.
+        """
+        first = self.first_token_s()
+        if ttft_target_s is None or first is None or "queue_deadline" in self.ablate or (
+                self.bursts.current() is not None and "burst_no_shed" not in self.ablate):
+            return None
+        return max(0.0, ttft_target_s - first)
 
     def _notify(self) -> None:
         if self.on_free is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -74,6 +75,75 @@ async def test_queue_timeout():
     assert exc.value.queue_wait_s >= 0.04
     assert lim.pending == 0
     held.release()
+    assert lim.in_flight == 0
+
+
+async def answered(lim: AdmissionLimiter, clock: FakeClock, first_tokens_s) -> None:
+    """One answer after another, 10 ms each (a fast drain: nothing is shed on the expected
+    wait), whose first tokens came ``first_tokens_s`` after admission."""
+    for first in first_tokens_s:
+        slot = await lim.acquire()
+        clock.t += 0.01
+        slot.release(first_token_at=slot.admitted_at + first)
+
+
+async def test_a_queued_request_is_refused_once_the_ttft_target_left_cannot_cover_a_first_token():
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=1, max_queue=5, max_queue_wait_s=30, clock=clock,
+                           burst_window_s=0.0)
+    assert lim.slots.queue_wait_bound_s(0.35) is None  # no first token seen yet
+    await answered(lim, clock, [0.1] * 8 + [0.25, 0.3])  # p90: the 9th of 10
+    assert lim.slots.first_token_s() == pytest.approx(0.25)
+    assert lim.slots.queue_wait_bound_s(0.35) == pytest.approx(0.1)
+    assert lim.slots.queue_wait_bound_s(0.2) == 0.0  # the engine alone takes longer
+    assert lim.slots.queue_wait_bound_s(None) is None
+    held = await lim.acquire()
+    clock.t += 0.001  # past the window of the burst it opened at the idle counter
+    started = time.monotonic()
+    with pytest.raises(Rejected) as exc:
+        await lim.acquire(ttft_target_s=0.35)
+    waited = time.monotonic() - started
+    assert exc.value.reason == SLO and "leaves before the engine's first token" in str(exc.value)
+    assert 0.09 <= waited < 5, waited  # the 0.1 s the target left, not max_queue_wait_s
+    assert lim.pending == 0
+    # Without a TTFT target only max_queue_wait_s bounds the wait.
+    waiter = asyncio.create_task(lim.acquire())
+    await asyncio.sleep(0.2)
+    assert not waiter.done()
+    held.release()
+    (await waiter).release()
+    assert lim.in_flight == 0
+
+
+def test_the_queue_deadline_waits_out_a_burst_and_can_be_switched_off():
+    from serve.admission.slots import SlotCounter
+
+    clock = FakeClock()
+    for ablate, bound in ((frozenset(), 0.5), (frozenset({"queue_deadline"}), None)):
+        counter = SlotCounter(4, clock=clock, ablate=ablate)
+        slot = counter.take(clock.t)  # reaches the idle counter: a burst opens
+        slot.release(first_token_at=slot.admitted_at + 0.5)
+        assert counter.queue_wait_bound_s(1.0) is None  # the burst's requests wait for it
+        clock.t += 10  # its window (2 s) has ended
+        assert counter.queue_wait_bound_s(1.0) == bound
+
+
+async def test_the_queue_deadline_refuses_the_tenant_over_its_share_not_the_one_within_it():
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=2, max_queue=5, max_queue_wait_s=30, clock=clock,
+                           burst_window_s=0.0)
+    await answered(lim, clock, (0.25,) * 3)
+    flood = [await lim.acquire(tenant="flood"), await lim.acquire(tenant="flood")]
+    clock.t += 0.001
+    light = asyncio.create_task(lim.acquire(ttft_target_s=0.35, tenant="light"))
+    with pytest.raises(Rejected) as exc:  # flood holds both slots, over its half
+        await lim.acquire(ttft_target_s=0.35, tenant="flood")
+    assert exc.value.reason == SLO
+    await asyncio.sleep(0.2)  # past the deadline: light holds none, below its half
+    assert not light.done()
+    flood.pop().release()
+    (await light).release()
+    flood.pop().release()
     assert lim.in_flight == 0
 
 
