@@ -45,7 +45,7 @@ from serve.admission.controller import Controller, ControllerConfig
 from serve.admission.engine_stats import EngineStatsFeed
 from serve.admission.fair import FairQueue
 from serve.admission.goodput import SloTargets, streamed_good
-from serve.admission.limiter import QUEUE_FULL, QUEUE_TIMEOUT
+from serve.admission.limiter import QUEUE_FULL, QUEUE_TIMEOUT, queue_wait_limit
 from serve.admission.limiter import SLO as SLO_REJECT
 from serve.admission.loop import AutotuneLoop
 from serve.admission.signals import Decision
@@ -419,11 +419,9 @@ class SimGate:
             self.on_drop(result, SLO_REJECT)
             return
         # The limiter's wait bound, fixed when the request queues (AdmissionLimiter.acquire).
-        bound = self.slots.queue_wait_bound_s(self.shed_ttft_s) \
-            if self.queue.over_share(tenant) else None
-        deadline = bound is not None and bound < self.max_queue_wait_s
-        self._deadlines[id(result)] = (
-            result.arrival_s + (bound if deadline else self.max_queue_wait_s), deadline)
+        wait, deadline = queue_wait_limit(self.slots, self.queue, tenant, self.shed_ttft_s,
+                                          self.max_queue_wait_s)
+        self._deadlines[id(result)] = (result.arrival_s + wait, deadline)
         self.queue.push(tenant, result, self.weights.get(tenant, 1.0))
 
     def _granted(self, slot: Slot, tenant: str) -> Slot:

@@ -32,7 +32,7 @@ from serve.admission.slots import LimiterSnapshot, Slot, SlotCounter
 
 __all__ = ["AdmissionLimiter", "Rejected", "Slot", "SlotCounter", "LimiterSnapshot",
            "burst_window_s", "QUEUE_FULL", "QUEUE_TIMEOUT", "SLO", "REJECT_REASONS",
-           "UNAVAILABLE"]
+           "UNAVAILABLE", "queue_wait_limit"]
 
 #: Reasons a request is rejected (the ``reason`` label of ``phi3v_rejected_requests_total``).
 QUEUE_FULL = "queue_full"
@@ -59,6 +59,18 @@ class Rejected(Exception):
         self.reason = reason
         self.retry_after_s = retry_after_s
         self.queue_wait_s = queue_wait_s
+
+
+def queue_wait_limit(slots: SlotCounter, queue: FairQueue, tenant: str,
+                     ttft_target_s: float | None, max_queue_wait_s: float) -> tuple[float, bool]:
+    """Seconds a request of ``tenant`` queued now may wait for a slot, and whether the queue
+    deadline (:meth:`SlotCounter.queue_wait_bound_s`, for a tenant alone or over its share:
+    :meth:`FairQueue.over_share`) rather than ``max_queue_wait_s`` sets it. The limiter's and
+    the simulator's gate's one rule."""
+    bound = slots.queue_wait_bound_s(ttft_target_s) if queue.over_share(tenant) else None
+    if bound is not None and bound < max_queue_wait_s:
+        return bound, True
+    return max_queue_wait_s, False
 
 
 class AdmissionLimiter:
@@ -195,12 +207,8 @@ class AdmissionLimiter:
             raise Rejected(SLO, self.retry_after_s(tenant),
                            f"Server busy: {who}expected queue wait {wait:.1f}s exceeds the "
                            f"TTFT target {ttft_target_s:.1f}s.")
-        timeout = self.max_queue_wait_s
-        bound = self.slots.queue_wait_bound_s(ttft_target_s) \
-            if self.queue.over_share(tenant) else None
-        deadline = bound is not None and bound < timeout
-        if deadline:
-            timeout = bound
+        timeout, deadline = queue_wait_limit(self.slots, self.queue, tenant, ttft_target_s,
+                                             self.max_queue_wait_s)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         waiter = (fut, tokens, user)
         self.queue.push(tenant, waiter, weight, user)

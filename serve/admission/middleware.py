@@ -253,8 +253,8 @@ class AdmissionMiddleware:
             slot.release(completed=completed, first_token_at=first)
             if tracker.client_left:
                 metrics.aborted.inc()
-            if tracker.streaming and tracker.chunk_times:
-                note(first_token_s=tracker.chunk_times[0])
+            if first is not None:
+                note(first_token_s=first)
             if completed:
                 metrics.finished.inc()
                 if tracker.streaming and tracker.ttft_s() is not None:

@@ -60,7 +60,7 @@ class Slot:
         return True
 
 
-#: Answers over which :meth:`SlotCounter.first_token_s` takes its median: recent enough to
+#: Answers over which :meth:`SlotCounter.first_token_s` takes its p90: recent enough to
 #: follow a change of load within a few dozen answers, enough that one slow answer (a long
 #: prompt, an image) moves it little.
 FIRST_TOKEN_SAMPLES = 32
