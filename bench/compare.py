@@ -59,7 +59,6 @@ import os
 import random
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -76,6 +75,7 @@ from bench.process import (
     ManagedServer,
     ensure_tiny_model,
     free_port,
+    git_state,
     start_process,
     start_serve,
     stop_process,
@@ -579,14 +579,6 @@ def report_half(arms: dict[str, ManagedServer], inputs: Inputs, seed: int, full:
 
 
 # --- the run -------------------------------------------------------------------------------
-def git_state() -> tuple[str, bool]:
-    """``(commit, dirty)`` of the checkout: HEAD, and whether tracked files differ from it."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT).returncode != 0
-    return commit, dirty
-
-
 def engine_ceiling() -> int:
     """The engine's ``max_num_seqs`` (``Settings``, resolved for this machine): W4's burst."""
     from serve.settings import Settings

@@ -2,7 +2,8 @@
 bench-fairness``.
 
 ``python -m bench.fairness [--rounds 6] [--flood-s 25] [--weighted-s 20] [--capacity R]
-[--out bench/out]``
+[--out bench/out] [--ledger bench/results/fairness-ledger.jsonl]``;
+``python -m bench.fairness --judge [--commit SHA]`` judges the ledger without a run.
 
 One server (``python -m serve`` on the tiny model, a keys file of five tenants, the flags of
 :func:`bench.tenants.server_args`); its capacity (completed requests per second with a full
@@ -38,11 +39,22 @@ split +-15 %; the light tenant never refused, its TTFT p90 within the SLO):
 - light: **pass** when no light request got a non-200 and every round's TTFT p90 is within
   the SLO, else **fail**.
 
-Writes ``fairness.json`` (every round and the verdict) to ``--out``, one line per round, and
-ends with exactly one line::
+**The ledger.** Every round is appended to ``--ledger`` as it ends (:func:`round_record`),
+and the verdict pools every round of the newest run's ``(commit, dirty)`` and design
+(``flood_s``, ``weighted_s``) over all runs (:func:`pooled_rounds`): the rounds are
+independent (each a paired comparison on one server), so a second run of the same code adds
+its rounds to the first's instead of replacing its verdict. Each run measures its own
+capacity: the rates are multiples of it, so a round's ratios compare the same design whatever
+its server's speed. A run's rounds continue the seeds where the pooled rounds end, so no two
+rounds of a pool replay the same arrivals.
 
-    fairness rounds=N capacity=R goodput=X[lo,hi] aa=X[lo,hi] split=X[lo,hi]
+Writes ``fairness.json`` (this run's rounds, its own verdict and the pooled one) to ``--out``,
+one line per round, this run's verdict, and ends with exactly one line, the pooled verdict::
+
+    fairness runs=K rounds=N capacity=R goodput=X[lo,hi] aa=X[lo,hi] split=X[lo,hi]
         light_non200=N light_ttft_p90_s=S result=pass|fail|inconclusive|unresolved
+
+(``capacity``: the newest run's.)
 """
 
 from __future__ import annotations
@@ -52,15 +64,18 @@ import asyncio
 import json
 import math
 import random
+import secrets
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
 from bench import stats
+from bench.process import ROOT
 from bench.tenants import (
     SLO_TTFT_S,
     capacity_rps,
@@ -88,6 +103,10 @@ AA_BAND = 0.90
 SPLIT_TARGET, SPLIT_TOLERANCE = 3.0, 0.15
 FLOOD_ARMS = ("shared", "alone", "alone2")
 BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 2000, 0
+#: Where rounds are appended (committed history, as ``make bench``'s ledger).
+DEFAULT_LEDGER = ROOT / "bench" / "results" / "fairness-ledger.jsonl"
+#: ``kind`` of a round's ledger record.
+ROUND_KIND = "fairness-round"
 
 
 def interval(log_values: Sequence[float]) -> dict:
@@ -142,9 +161,39 @@ def _fmt(i: dict) -> str:
     return f"{i['estimate']:.3f}[{i['lo']:.3f},{i['hi']:.3f}]"
 
 
-def summary_line(rounds: int, capacity: float, v: dict) -> str:
+def round_record(run: str, commit: str, dirty: bool, design: Mapping[str, float],
+                 capacity: float, index: int, round_: Mapping) -> dict:
+    """The ledger record of one round: ``{"schema": 1, "kind": "fairness-round", "run",
+    "commit", "dirty", "design", "capacity_rps", "index", **round_, "t"}`` (``round_`` as
+    :func:`run_round` returns it; ``design``: ``{"flood_s", "weighted_s"}`` in seconds)."""
+    return {"schema": 1, "kind": ROUND_KIND, "run": run, "commit": commit, "dirty": dirty,
+            "design": dict(design), "capacity_rps": capacity, "index": index, **round_,
+            "t": time.time()}
+
+
+def append_record(ledger: Path, record: Mapping) -> None:
+    """Append one JSON line to ``ledger`` (its folder made if missing)."""
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    with open(ledger, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def pooled_rounds(records: Sequence[Mapping], commit: str | None = None) -> list[dict]:
+    """The rounds the verdict pools: every round record of the newest round's ``(commit,
+    dirty)`` (with ``commit``: of the newest round whose commit starts with it) and design, in
+    ledger order. Raises ValueError when the ledger holds no such round."""
+    from bench.verdict import select_pool
+
+    rounds = [r for r in records if r.get("kind") == ROUND_KIND]
+    pool = select_pool(rounds, commit)
+    design = pool[-1].get("design")
+    return [r for r in pool if r.get("design") == design]
+
+
+def summary_line(rounds: int, capacity: float, v: dict, runs: int = 1) -> str:
     """The last line (module docstring)."""
-    return (f"fairness rounds={rounds} capacity={capacity:.2f} goodput={_fmt(v['goodput'])} "
+    return (f"fairness runs={runs} rounds={rounds} capacity={capacity:.2f} "
+            f"goodput={_fmt(v['goodput'])} "
             f"aa={_fmt(v['aa'])} split={_fmt(v['split'])} light_non200={v['light_non200']} "
             f"light_ttft_p90_s={v['light_ttft_p90_s']:.2f} result={v['result']}")
 
@@ -172,9 +221,46 @@ async def run_round(base_url: str, model: str, tokens: dict[str, str], capacity:
             "split": split}
 
 
+def _say_verdict(what: str, v: dict) -> None:
+    from bench.progress import say
+
+    say(f"{what}: goodput bootstrap [{v['goodput']['boot_lo']:.3f},"
+        f"{v['goodput']['boot_hi']:.3f}], A/A [{v['aa']['boot_lo']:.3f},"
+        f"{v['aa']['boot_hi']:.3f}], split [{v['split']['boot_lo']:.3f},"
+        f"{v['split']['boot_hi']:.3f}]; checks {v['checks']}")
+
+
+def judge_ledger(ledger: Path, commit: str | None = None) -> tuple[dict, list[dict]]:
+    """``(verdict, pooled round records)`` of the ledger (:func:`pooled_rounds`,
+    :func:`judge`). Raises OSError or ValueError (no such round, a bad line)."""
+    from bench.verdict import read_ledger
+
+    pool = pooled_rounds(read_ledger(ledger), commit)
+    return judge(pool), pool
+
+
+def same_rounds(ledger: Path, commit: str, dirty: bool, design: Mapping) -> list[dict]:
+    """The ledger's rounds of ``(commit, dirty, design)``: those a run of them is pooled
+    with (none when the ledger does not exist). Raises ValueError on a bad line."""
+    from bench.verdict import read_ledger
+
+    if not ledger.exists():
+        return []
+    return [r for r in read_ledger(ledger) if r.get("kind") == ROUND_KIND
+            and (r.get("commit"), bool(r.get("dirty")), r.get("design"))
+            == (commit, dirty, dict(design))]
+
+
+def pooled_line(verdict: dict, pool: Sequence[Mapping]) -> str:
+    """:func:`summary_line` of a pool: its runs, its rounds, the newest run's capacity."""
+    return summary_line(len(pool), pool[-1]["capacity_rps"], verdict,
+                        runs=len({r["run"] for r in pool}))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI (module docstring). 0 unless the server could not start."""
-    from bench.process import ensure_tiny_model, start_serve, stop_process
+    """The CLI (module docstring). 0 unless the server could not start; 2 when ``--judge``
+    finds no round to judge."""
+    from bench.process import ensure_tiny_model, git_state, start_serve, stop_process
     from bench.progress import bar, say
 
     p = argparse.ArgumentParser(prog="python -m bench.fairness",
@@ -186,17 +272,38 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="arrival seconds of the weighted run")
     p.add_argument("--capacity", type=float, help="requests/s the rates are multiples of "
                    "(default: measured first); fixed, two servers get the same arrivals")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="added to every round's seed")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
+    p.add_argument("--ledger", type=Path, default=DEFAULT_LEDGER,
+                   help="where rounds are appended and pooled from")
+    p.add_argument("--judge", action="store_true",
+                   help="no run: print the pooled verdict of the ledger")
+    p.add_argument("--commit", help="with --judge: pool the rounds of this commit (prefix)")
     args = p.parse_args(argv)
+    if args.judge:
+        try:
+            verdict, pool = judge_ledger(args.ledger, args.commit)
+        except (OSError, ValueError) as e:
+            print(f"bench.fairness: {e}", file=sys.stderr)
+            return 2
+        _say_verdict(f"{len(pool)} rounds pooled", verdict)
+        print(pooled_line(verdict, pool), flush=True)
+        return 0
     if args.rounds < 2:
         p.error("--rounds must be >= 2 (an interval needs two)")
     args.out.mkdir(parents=True, exist_ok=True)
+    commit, dirty = git_state()
+    design = {"flood_s": args.flood_s, "weighted_s": args.weighted_s}
+    run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}"
+    earlier = same_rounds(args.ledger, commit, dirty, design)
+    # Continue the seeds of the rounds this run will be pooled with.
+    first_seed = args.seed + len(earlier)
     tokens = write_keys(args.out / "fairness-keys.json")
     model_dir = ensure_tiny_model()
     log = args.out / "fairness-server.log"
-    print(f"fairness: starting python -m serve on the tiny model (log {log}) ...",
-          file=sys.stderr, flush=True)
+    print(f"fairness: run {run_id} on {commit[:12]}{' (uncommitted changes)' if dirty else ''}"
+          f", {len(earlier)} earlier rounds of it in {args.ledger}; starting python -m serve on "
+          f"the tiny model (log {log}) ...", file=sys.stderr, flush=True)
     server = start_serve([*server_args(), "--keys-file", str(args.out / "fairness-keys.json")],
                          log, model_dir=model_dir)
     t0 = time.perf_counter()
@@ -207,12 +314,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         capacity = args.capacity or asyncio.run(capacity_rps(server.base_url, model,
                                                              tokens["alone"]))
         say(f"capacity {capacity:.2f} requests/s ({'given' if args.capacity else 'measured'})")
-        orders = stats.balanced_orders(args.rounds, FLOOD_ARMS, random.Random(args.seed))
+        orders = stats.balanced_orders(args.rounds, FLOOD_ARMS, random.Random(first_seed))
         with bar(args.rounds, "fairness rounds", "round") as progress:
             for k, order in enumerate(orders):
                 r = asyncio.run(run_round(server.base_url, model, tokens, capacity, order,
-                                          args.seed + k, args.flood_s, args.weighted_s))
+                                          first_seed + k, args.flood_s, args.weighted_s))
                 rounds.append(r)
+                append_record(args.ledger, round_record(run_id, commit, dirty, design,
+                                                        capacity, len(earlier) + k, r))
                 g = r["goodput"]
                 say(f"round {k + 1} ({','.join(order)}): good/s shared {g['shared']:.2f} "
                     f"alone {g['alone']:.2f} alone2 {g['alone2']:.2f}; split heavy "
@@ -223,16 +332,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         stop_process(server)
     verdict = judge(rounds)
+    pooled, pool = judge_ledger(args.ledger) if rounds else (verdict, [])
     (args.out / "fairness.json").write_text(json.dumps(
-        {"capacity_rps": capacity, "rounds": rounds, "verdict": verdict,
-         "elapsed_s": time.perf_counter() - t0, "args": {k: str(v) for k, v in
-                                                        vars(args).items()}}, indent=1))
-    say(f"goodput bootstrap [{verdict['goodput']['boot_lo']:.3f},"
-        f"{verdict['goodput']['boot_hi']:.3f}], A/A [{verdict['aa']['boot_lo']:.3f},"
-        f"{verdict['aa']['boot_hi']:.3f}], split [{verdict['split']['boot_lo']:.3f},"
-        f"{verdict['split']['boot_hi']:.3f}]; checks {verdict['checks']}; "
+        {"run": run_id, "commit": commit, "dirty": dirty, "capacity_rps": capacity,
+         "rounds": rounds, "verdict": verdict, "pooled": {"rounds": len(pool), "verdict": pooled},
+         "elapsed_s": time.perf_counter() - t0,
+         "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+    _say_verdict("this run", verdict)
+    say(f"this run: {summary_line(len(rounds), capacity, verdict)}; "
         f"{statistics.fmean(r['goodput']['alone'] for r in rounds):.2f} good answers/s alone")
-    print(summary_line(len(rounds), capacity, verdict), flush=True)
+    _say_verdict(f"pooled over {len(pool)} rounds", pooled)
+    print(pooled_line(pooled, pool), flush=True)
     return 0
 
 

@@ -24,6 +24,15 @@ TINY_MODEL = ROOT / "models" / "phi-3-vision-tiny"
 READY_TIMEOUT_S = 300
 
 
+def git_state() -> tuple[str, bool]:
+    """``(commit, dirty)`` of the checkout: HEAD (``"unknown"`` outside git), and whether
+    tracked files differ from it. A benchmark ledger keys its records by it."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT).returncode != 0
+    return commit, dirty
+
+
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1."""
     with socket.socket() as s:

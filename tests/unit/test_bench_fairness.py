@@ -9,11 +9,12 @@ import re
 
 import pytest
 
+from bench import fairness
 from bench.fairness import AA_BAND, judge, summary_line
 from bench.tenants import Outcome, served_in_window, window
 
 N3 = r"\d+\.\d{3}\[\d+\.\d{3},\d+\.\d{3}\]"
-LINE = re.compile(rf"fairness rounds=\d+ capacity=\d+\.\d{{2}} goodput={N3} aa={N3} "
+LINE = re.compile(rf"fairness runs=\d+ rounds=\d+ capacity=\d+\.\d{{2}} goodput={N3} aa={N3} "
                   rf"split={N3} light_non200=\d+ light_ttft_p90_s=\d+\.\d{{2}} "
                   r"result=(pass|fail|inconclusive|unresolved)")
 
@@ -99,3 +100,63 @@ def test_a_split_off_3_to_1_fails_and_a_refused_light_request_fails():
     assert judge(rounds(split=3.0))["checks"]["split"] == "pass"
     assert judge(rounds(non200=1))["result"] == "fail"
     assert judge(rounds(ttft=11.0))["checks"]["light"] == "fail"
+
+
+DESIGN = {"flood_s": 25.0, "weighted_s": 20.0}
+
+
+def write_ledger(path, runs):
+    """``runs``: ``[(run, commit, dirty, design, rounds)]`` appended in order."""
+    for run, commit, dirty, design, rs in runs:
+        for k, r in enumerate(rs):
+            fairness.append_record(path, fairness.round_record(run, commit, dirty, design,
+                                                               8.0, k, r))
+
+
+def test_runs_of_one_commit_and_design_pool_and_others_stay_apart(tmp_path):
+    ledger = tmp_path / "sub" / "fairness-ledger.jsonl"
+    other = {**DESIGN, "flood_s": 40.0}
+    write_ledger(ledger, [("r1", "aaaa", False, DESIGN, rounds(n=4, seed=1)),
+                          ("r0", "bbbb", False, DESIGN, rounds(n=3, seed=2)),
+                          ("rd", "aaaa", True, DESIGN, rounds(n=2, seed=3)),
+                          ("ro", "aaaa", False, other, rounds(n=2, seed=4)),
+                          ("r2", "aaaa", False, DESIGN, rounds(n=4, seed=5))])
+    from bench.verdict import read_ledger
+    records = read_ledger(ledger)
+    pool = fairness.pooled_rounds(records)
+    assert [(r["run"], r["index"]) for r in pool] == [*((("r1", k) for k in range(4))),
+                                                        *((("r2", k) for k in range(4)))]
+    assert {r["run"] for r in fairness.pooled_rounds(records, commit="bb")} == {"r0"}
+    assert len(fairness.same_rounds(ledger, "aaaa", False, DESIGN)) == 8
+    assert len(fairness.same_rounds(ledger, "aaaa", True, DESIGN)) == 2
+    assert fairness.same_rounds(tmp_path / "none.jsonl", "aaaa", False, DESIGN) == []
+    # The pooled verdict judges the 8 rounds as one sample.
+    verdict, judged = fairness.judge_ledger(ledger)
+    assert judged == pool and verdict == judge(pool)
+    line = fairness.pooled_line(verdict, pool)
+    assert LINE.fullmatch(line) and line.startswith("fairness runs=2 rounds=8 "), line
+
+
+def explicit_rounds(log_ratios):
+    """Rounds whose shared/alone log-ratios are ``log_ratios``, with a tight A/A control."""
+    return [{"goodput": {"alone": 8.0, "alone2": 8.0 * math.exp(0.01 * (-1) ** k),
+                         "shared": 8.0 * math.exp(x)},
+             "split": {"heavy": 22.5, "lighter": 7.5},
+             "light": {"non200": 0, "ttft_p90_s": 2.0, "sent": 20}}
+            for k, x in enumerate(log_ratios)]
+
+
+def test_two_runs_that_each_end_inconclusive_pass_when_pooled(tmp_path):
+    # Each run of 3 rounds: mean log-ratio 0.04, t-interval reaching below 0.95; the 6 rounds
+    # together narrow it above the margin.
+    ledger = tmp_path / "fairness-ledger.jsonl"
+    a, b = explicit_rounds([0.10, -0.04, 0.06]), explicit_rounds([0.06, 0.10, -0.04])
+    assert judge(a)["checks"]["goodput"] == judge(b)["checks"]["goodput"] == "inconclusive"
+    write_ledger(ledger, [("r1", "cccc", False, DESIGN, a), ("r2", "cccc", False, DESIGN, b)])
+    verdict, pool = fairness.judge_ledger(ledger)
+    assert len(pool) == 6 and verdict["result"] == "pass", verdict["goodput"]
+
+
+def test_judging_an_empty_ledger_says_so_and_exits_2(tmp_path, capsys):
+    assert fairness.main(["--judge", "--ledger", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
