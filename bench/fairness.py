@@ -23,12 +23,24 @@ to the next hit them alike. Each run's counts are taken in its loaded window (fr
 :data:`bench.tenants.WARM_S` to the last arrival) by each answer's share of decoding inside it
 (:func:`bench.tenants.served_in_window`), which removes the edge noise of whole-answer counts.
 
-Per round: goodput ratio shared/alone (good answers, both SLOs met), the A/A ratio
-alone2/alone, the weighted split heavy/lighter of answers served, the light tenant's refusals
-and TTFT p90. Across rounds (Kalibera & Jones, ISMM 2013, as ``make bench``): the mean of the
-per-round log-ratios with a 90 % Student-t interval, cross-checked by a bootstrap over rounds,
-``exp`` of each. Verdicts (issue targets: total goodput >= 0.95 of a single-tenant run; a 3:1
-split +-15 %; the light tenant never refused, its TTFT p90 within the SLO):
+**Goodput per engine step.** A flood keeps every slot busy, so its good answers per second
+follow the speed of the machine's core: on a shared VM that speed swings by up to 2x over
+tens of seconds with no steal time to show for it, with the same batch, the same answers and
+nothing else running, which is as large as the effect judged. The engine's step count (vLLM's
+``vllm:iteration_tokens_total`` histogram, one observation per step) is read at the window's
+edges (:func:`flood_arm`), and goodput is judged as good answers per engine step: what
+admission decides (how full the batch is kept, which answers meet the SLOs, how much prefill
+the admitted requests cost) with the core's speed divided out. Good answers per second are
+reported beside it (``per_s``); so is the gateway's own CPU cost in ``make bench``, which a
+per-step count would not see.
+
+Per round: goodput ratio shared/alone (good answers, both SLOs met, per engine step), the A/A
+ratio alone2/alone (the same), the weighted split heavy/lighter of answers served, the light
+tenant's refusals and TTFT p90. Across rounds (Kalibera & Jones, ISMM 2013, as ``make
+bench``): the mean of the per-round log-ratios with a 90 % Student-t interval, cross-checked
+by a bootstrap over rounds, ``exp`` of each. Verdicts (issue targets: total goodput >= 0.95
+of a single-tenant run; a 3:1 split +-15 %; the light tenant never refused, its TTFT p90
+within the SLO):
 
 - **unresolved**: the A/A interval is not inside [0.90, 1/0.90] (:data:`AA_BAND`): two
   identical runs differ more than the instrument may, so the run judges nothing;
@@ -41,9 +53,9 @@ split +-15 %; the light tenant never refused, its TTFT p90 within the SLO):
 
 **The ledger.** Every round is appended to ``--ledger`` as it ends (:func:`round_record`),
 and the verdict pools every round of the newest run's ``(commit, dirty)`` and design
-(``flood_s``, ``weighted_s``) over all runs (:func:`pooled_rounds`): the rounds are
-independent (each a paired comparison on one server), so a second run of the same code adds
-its rounds to the first's instead of replacing its verdict. Each run measures its own
+(``flood_s``, ``weighted_s``, the goodput measure) over all runs (:func:`pooled_rounds`): the
+rounds are independent (each a paired comparison on one server), so a second run of the same
+code adds its rounds to the first's instead of replacing its verdict. Each run measures its own
 capacity: the rates are multiples of it, so a round's ratios compare the same design whatever
 its server's speed. A run's rounds continue the seeds where the pooled rounds end, so no two
 rounds of a pool replay the same arrivals.
@@ -51,7 +63,8 @@ rounds of a pool replay the same arrivals.
 Writes ``fairness.json`` (this run's rounds, its own verdict and the pooled one) to ``--out``,
 one line per round, this run's verdict, and ends with exactly one line, the pooled verdict::
 
-    fairness runs=K rounds=N capacity=R goodput=X[lo,hi] aa=X[lo,hi] split=X[lo,hi]
+    fairness runs=K rounds=N capacity=R goodput=X[lo,hi] per_s=X[lo,hi] aa=X[lo,hi]
+        split=X[lo,hi]
         light_non200=N light_ttft_p90_s=S result=pass|fail|inconclusive|unresolved
 
 (``capacity``: the newest run's.)
@@ -78,6 +91,8 @@ from bench import stats
 from bench.process import ROOT
 from bench.tenants import (
     SLO_TTFT_S,
+    WARM_S,
+    Outcome,
     capacity_rps,
     flood_load,
     open_loop,
@@ -86,7 +101,6 @@ from bench.tenants import (
     served_in_window,
     server_args,
     weighted_load,
-    window,
     write_keys,
 )
 
@@ -120,16 +134,32 @@ def interval(log_values: Sequence[float]) -> dict:
     return {"estimate": t[0], "lo": t[1], "hi": t[2], "boot_lo": b[1], "boot_hi": b[2]}
 
 
+def per_step(round_: Mapping, arm: str) -> float:
+    """Good answers of ``arm`` per engine step in its window (the judged goodput)."""
+    steps = round_["steps"][arm]
+    return round_["good"][arm] / steps if steps > 0 else 0.0
+
+
+def per_second(round_: Mapping, arm: str) -> float:
+    """Good answers of ``arm`` per second in its window (reported)."""
+    return round_["goodput"][arm]
+
+
 def judge(rounds: list[dict]) -> dict:
     """The verdict of the rounds (module docstring): the intervals, each target's
-    pass/fail/inconclusive and the ``result``. Pure: a round is a dict with ``goodput``
-    (``{arm: good answers per second}``), ``split`` (``{"heavy", "lighter"}`` answers served)
-    and ``light`` (``{"non200", "ttft_p90_s"}``)."""
-    def logs(num: str, den: str) -> list[float]:
-        return [math.log(r["goodput"][num] / r["goodput"][den]) for r in rounds
-                if r["goodput"][num] > 0 and r["goodput"][den] > 0]
+    pass/fail/inconclusive and the ``result``. Pure: a round is a dict with, per flood arm,
+    ``good`` (good answers in the window), ``steps`` (engine steps in it) and ``goodput``
+    (good answers per second), ``split`` (``{"heavy", "lighter"}`` answers served) and
+    ``light`` (``{"non200", "ttft_p90_s"}``). Goodput and its A/A control are judged per
+    engine step (:func:`per_step`); per second they are reported (``per_s``, ``aa_per_s``)."""
+    def logs(num: str, den: str, of) -> list[float]:
+        return [math.log(of(r, num) / of(r, den)) for r in rounds
+                if of(r, num) > 0 and of(r, den) > 0]
 
-    goodput, aa = interval(logs("shared", "alone")), interval(logs("alone2", "alone"))
+    goodput = interval(logs("shared", "alone", per_step))
+    aa = interval(logs("alone2", "alone", per_step))
+    per_s = interval(logs("shared", "alone", per_second))
+    aa_per_s = interval(logs("alone2", "alone", per_second))
     split = interval([math.log(r["split"]["heavy"] / r["split"]["lighter"]) for r in rounds
                       if r["split"]["heavy"] > 0 and r["split"]["lighter"] > 0])
     valid = AA_BAND <= aa["lo"] and aa["hi"] <= 1 / AA_BAND
@@ -153,7 +183,8 @@ def judge(rounds: list[dict]) -> dict:
         result = "inconclusive"
     else:
         result = "pass"
-    return {"goodput": goodput, "aa": aa, "split": split, "valid": valid, "checks": checks,
+    return {"goodput": goodput, "aa": aa, "per_s": per_s, "aa_per_s": aa_per_s,
+            "split": split, "valid": valid, "checks": checks,
             "light_non200": non200, "light_ttft_p90_s": ttft, "result": result}
 
 
@@ -193,21 +224,47 @@ def pooled_rounds(records: Sequence[Mapping], commit: str | None = None) -> list
 def summary_line(rounds: int, capacity: float, v: dict, runs: int = 1) -> str:
     """The last line (module docstring)."""
     return (f"fairness runs={runs} rounds={rounds} capacity={capacity:.2f} "
-            f"goodput={_fmt(v['goodput'])} "
+            f"goodput={_fmt(v['goodput'])} per_s={_fmt(v['per_s'])} "
             f"aa={_fmt(v['aa'])} split={_fmt(v['split'])} light_non200={v['light_non200']} "
             f"light_ttft_p90_s={v['light_ttft_p90_s']:.2f} result={v['result']}")
+
+
+async def engine_steps(client: httpx.AsyncClient) -> float:
+    """Engine steps so far: the count of vLLM's ``vllm:iteration_tokens_total`` histogram
+    (one observation per engine step) on the server's ``/metrics``."""
+    from bench.workloads import histogram_totals
+
+    return histogram_totals((await client.get("/metrics")).text,
+                            "vllm:iteration_tokens_total")[1]
+
+
+async def flood_arm(base_url: str, model: str, senders: dict[str, tuple[str, float]],
+                    flood_s: float, seed: int) -> tuple[list[Outcome], float, float, float]:
+    """One open-loop flood run, the engine's step count read at the loaded window's edges
+    (:data:`WARM_S` and ``flood_s`` after the start, :func:`bench.tenants.window`):
+    ``(outcomes, lo, hi, steps)``, ``lo``/``hi`` the monotonic times of the two readings."""
+    start = time.monotonic()
+    run = asyncio.create_task(open_loop(base_url, model, senders, flood_s, seed=seed))
+    marks = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        for at in (WARM_S, flood_s):
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            steps = await engine_steps(client)
+            marks.append((time.monotonic(), steps))
+    outcomes = await run
+    (lo, s0), (hi, s1) = marks
+    return outcomes, lo, hi, s1 - s0
 
 
 async def run_round(base_url: str, model: str, tokens: dict[str, str], capacity: float,
                     order: Sequence[str], seed: int, flood_s: float, weighted_s: float) -> dict:
     """One round (module docstring): the flood arms in ``order``, then the weighted run."""
-    goodput, light = {}, {}
+    good, steps, goodput, light = {}, {}, {}, {}
     for arm in order:
-        outcomes = await open_loop(base_url, model,
-                                   flood_load(tokens, capacity, alone=arm != "shared"),
-                                   flood_s, seed=seed)
-        lo, hi = window(outcomes, flood_s)
-        goodput[arm] = served_in_window(outcomes, lo, hi, good_only=True) / (hi - lo)
+        outcomes, lo, hi, steps[arm] = await flood_arm(
+            base_url, model, flood_load(tokens, capacity, alone=arm != "shared"), flood_s, seed)
+        good[arm] = served_in_window(outcomes, lo, hi, good_only=True)
+        goodput[arm] = good[arm] / (hi - lo)
         if arm == "shared":
             mine = [o for o in outcomes if o.tenant == "light"]
             ttfts = [o.ttft_s for o in mine if o.ttft_s is not None]
@@ -217,14 +274,15 @@ async def run_round(base_url: str, model: str, tokens: dict[str, str], capacity:
     outcomes = await open_loop(base_url, model, weighted_load(tokens, capacity), weighted_s,
                                seed=1000 + seed)
     split = served_by_tenant(outcomes, weighted_s, ("heavy", "lighter"))
-    return {"seed": seed, "order": list(order), "goodput": goodput, "light": light,
-            "split": split}
+    return {"seed": seed, "order": list(order), "good": good, "steps": steps,
+            "goodput": goodput, "light": light, "split": split}
 
 
 def _say_verdict(what: str, v: dict) -> None:
     from bench.progress import say
 
-    say(f"{what}: goodput bootstrap [{v['goodput']['boot_lo']:.3f},"
+    say(f"{what}: per second (reported): goodput {_fmt(v['per_s'])}, A/A "
+        f"{_fmt(v['aa_per_s'])}; goodput bootstrap [{v['goodput']['boot_lo']:.3f},"
         f"{v['goodput']['boot_hi']:.3f}], A/A [{v['aa']['boot_lo']:.3f},"
         f"{v['aa']['boot_hi']:.3f}], split [{v['split']['boot_lo']:.3f},"
         f"{v['split']['boot_hi']:.3f}]; checks {v['checks']}")
@@ -293,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--rounds must be >= 2 (an interval needs two)")
     args.out.mkdir(parents=True, exist_ok=True)
     commit, dirty = git_state()
-    design = {"flood_s": args.flood_s, "weighted_s": args.weighted_s}
+    design = {"flood_s": args.flood_s, "weighted_s": args.weighted_s, "goodput": "per_step"}
     run_id = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(2)}"
     earlier = same_rounds(args.ledger, commit, dirty, design)
     # Continue the seeds of the rounds this run will be pooled with.
@@ -324,7 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                         capacity, len(earlier) + k, r))
                 g = r["goodput"]
                 say(f"round {k + 1} ({','.join(order)}): good/s shared {g['shared']:.2f} "
-                    f"alone {g['alone']:.2f} alone2 {g['alone2']:.2f}; split heavy "
+                    f"alone {g['alone']:.2f} alone2 {g['alone2']:.2f}; good per 1000 "
+                    f"steps shared {1000 * per_step(r, 'shared'):.2f} alone "
+                    f"{1000 * per_step(r, 'alone'):.2f} alone2 "
+                    f"{1000 * per_step(r, 'alone2'):.2f}; split heavy "
                     f"{r['split']['heavy']:.1f} lighter {r['split']['lighter']:.1f}; light "
                     f"{r['light']['non200']} non-200 of {r['light']['sent']}, TTFT p90 "
                     f"{r['light']['ttft_p90_s']:.2f} s")

@@ -326,22 +326,28 @@ def served_model(base_url: str) -> str:
         return client.get(base_url + "/v1/models").json()["data"][0]["id"]
 
 
+def histogram_totals(text: str, name: str) -> tuple[float, float]:
+    """``(sum, count)`` of the histogram ``name`` in a Prometheus exposition ``text``, summed
+    over its label sets (parsed with prometheus-client); ``(0, 0)`` when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        for sample in family.samples:
+            if sample.name == name + "_sum":
+                total += sample.value
+            elif sample.name == name + "_count":
+                count += sample.value
+    return total, count
+
+
 def engine_ttft_totals(base_url: str) -> tuple[float, float]:
     """``(sum in seconds, count)`` of vLLM's own engine-side TTFT histogram
     (``vllm:time_to_first_token_seconds``, from the request's arrival at the engine) on a
-    server's ``/metrics`` (ours serves vLLM's registry too), parsed with prometheus-client.
-    The difference of two readings around a run gives vLLM's mean TTFT of that run."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    server's ``/metrics`` (ours serves vLLM's registry too). The difference of two readings
+    around a run gives vLLM's mean TTFT of that run."""
     with httpx.Client(timeout=30) as client:
         text = client.get(base_url + "/metrics").text
-    total = count = 0.0
-    for family in text_string_to_metric_families(text):
-        if family.name != "vllm:time_to_first_token_seconds":
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_sum"):
-                total += sample.value
-            elif sample.name.endswith("_count"):
-                count += sample.value
-    return total, count
+    return histogram_totals(text, "vllm:time_to_first_token_seconds")
