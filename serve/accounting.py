@@ -13,8 +13,9 @@ admission included, so ``max_concurrent`` holds queued requests) until its answe
 **What a request costs**: vLLM's own count of its prompt and completion tokens (the access
 record's, :func:`serve.logs.vllm_usage`; the prompt includes the image tokens). Where vLLM
 reports none for a request it served (the Responses API, a client that left before the end),
-the intake's prompt estimate, and no completion tokens. A request admission refused costs
-nothing.
+the intake's prompt estimate, and the answer tokens admission saw go out (``answer_tokens``
+on the request's state: a streamed answer's token events, a whole body's own ``usage``). A
+request admission refused costs nothing.
 
 **Per request**, once its answer ended, on its tenant's series (``serve.metrics``) and today's
 row in the usage store (``serve.usage``; per user for a trusted front end): one request, its
@@ -182,7 +183,8 @@ class Accounting:
         served = "queue_wait_s" in state and reason is None
         if prompt is None:
             prompt = estimate if served and state.get("status", 200) == 200 else 0
-        completion = completion or 0
+        if completion is None:
+            completion = state.get("answer_tokens") or 0
         self.quota.finished(ticket, prompt, completion)
         self.count(ticket.tenant, user, prompt=prompt, completion=completion,
                    image=int(state.get("image_tokens") or 0) if prompt else 0,

@@ -84,9 +84,13 @@ class ApiKeys:
 
 
 def bearer_token(scope: Scope) -> str | None:
-    """The token of the request's ``Authorization: Bearer <token>`` header, or None."""
-    header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-    scheme, _, token = header.partition(" ")
+    """The token of the request's ``Authorization: Bearer <token>`` header, or None (also
+    for two such headers: a proxy in front may read the first where we would read the last,
+    and each would take the request for another caller's)."""
+    values = [v for k, v in scope.get("headers") or () if k == b"authorization"]
+    if len(values) != 1:
+        return None
+    scheme, _, token = values[0].decode("latin-1").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
 
 

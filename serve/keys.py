@@ -53,7 +53,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -85,6 +84,10 @@ FILE_ENV = "PHI3V_KEYS_FILE"
 
 _LIMIT_FIELDS = tuple(f.name for f in dataclasses.fields(TenantLimits))
 _TENANT_FIELDS = ("weight", "limits", "trusted_frontend", "admin")
+#: Bounds of a tenant's weight. Fair admission divides by the sum of the waiting tenants'
+#: weights: bounded, a few thousand tenants' sum stays a finite float and a share stays
+#: above 0. A ratio of 10^12 between two tenants is beyond any use.
+MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
 _KEY_FIELDS = ("id", "sha256", "tenant", "created", "revoked", "revoked_at")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -147,6 +150,9 @@ class KeysFile:
             data = json.loads(text)
         except ValueError as exc:
             raise KeysFileError(f"keys file {path}: not valid JSON ({exc})") from None
+        except RecursionError:  # nesting deeper than the parser's stack: no keys file is
+            raise KeysFileError(f"keys file {path}: not valid JSON (nested too deeply)") \
+                from None
         return cls.from_json(data, str(path))
 
     @classmethod
@@ -199,8 +205,9 @@ class KeysFile:
                 "keys": [dataclasses.asdict(k) for k in self.keys]}
 
     def write(self, path: Path) -> None:
-        """Write atomically (module docstring): a temporary file, fsync, :func:`os.replace`."""
-        path = Path(path)
+        """Write atomically (module docstring): a temporary file, fsync, :func:`os.replace`.
+        A symbolic link is followed: its target is replaced, the link kept."""
+        path = Path(os.path.realpath(path))
         text = json.dumps(self.to_json(), indent=2) + "\n"
         try:
             old = os.stat(path)
@@ -298,8 +305,9 @@ def _tenant(name: Any, value: Any, fail) -> Tenant:
     _no_unknown(value, _TENANT_FIELDS, where, fail)
     weight = value.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
-            math.isfinite(weight) and weight > 0):
-        raise fail(f"{where}.weight", f"must be a number > 0; got {weight!r}")
+            MIN_WEIGHT <= weight <= MAX_WEIGHT):
+        raise fail(f"{where}.weight", f"must be a number from {MIN_WEIGHT:g} to "
+                   f"{MAX_WEIGHT:g}; got {weight!r}")
     limits = value.get("limits") or {}
     if not isinstance(limits, dict):
         raise fail(f"{where}.limits", "must be an object")
@@ -471,7 +479,8 @@ def _limit(text: str) -> int | None:
 def _tenant_options(parser: argparse.ArgumentParser) -> None:
     """The tenant's flags; a flag not given leaves the value as it is (argparse.SUPPRESS)."""
     parser.add_argument("--weight", type=float, default=argparse.SUPPRESS,
-                        help="weight in fair admission (> 0; default 1)")
+                        help=f"weight in fair admission ({MIN_WEIGHT:g} to {MAX_WEIGHT:g}; "
+                        "default 1)")
     for field in _LIMIT_FIELDS:
         parser.add_argument("--" + field.replace("_", "-"), type=_limit,
                             default=argparse.SUPPRESS, metavar="N",

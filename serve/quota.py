@@ -299,7 +299,13 @@ class Quota:
         if completion_tokens:
             usage.tokens.append([now, completion_tokens])
             usage.window_tokens += completion_tokens
-        self._add_budget(usage, now, change + completion_tokens)
+        # The prompt's correction belongs to the day (month) its estimate was counted in: a
+        # request that started before midnight corrects a total that is no longer kept, and
+        # taking it from the new day's would leave that below 0.
+        start_day, day = utc_day(ticket.start), utc_day(now)
+        self._add_budget(usage, now, (change if start_day == day else 0) + completion_tokens,
+                         month_tokens=(change if _month(start_day) == _month(day) else 0)
+                         + completion_tokens)
 
     # --- internals --------------------------------------------------------------------------
     def _of(self, tenant: str) -> _Usage:
@@ -318,10 +324,12 @@ class Quota:
             usage.window_tokens -= usage.tokens.popleft()[1]
 
     @staticmethod
-    def _add_budget(usage: _Usage, now: float, tokens: int) -> None:
-        """Add ``tokens`` to the day and month totals (a new day or month starts at 0)."""
+    def _add_budget(usage: _Usage, now: float, tokens: int,
+                    month_tokens: int | None = None) -> None:
+        """Add ``tokens`` to the day total and ``month_tokens`` (default ``tokens``) to the
+        month's (a new day or month starts at 0)."""
         day = utc_day(now)
         usage.day = (day, (usage.day[1] if usage.day and usage.day[0] == day else 0) + tokens)
         month = _month(day)
         usage.month = (month, (usage.month[1] if usage.month and usage.month[0] == month
-                               else 0) + tokens)
+                               else 0) + (tokens if month_tokens is None else month_tokens))

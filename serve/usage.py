@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -93,13 +94,17 @@ class UsageStore:
         self.clock = clock
         self.flush_interval_s = flush_interval_s
         try:
+            if self.path != IN_MEMORY:
+                # Owner-only, like the keys file: it names tenants and users. SQLite gives its
+                # -wal and -shm files the database file's permissions.
+                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             self._db = sqlite3.connect(self.path, check_same_thread=False,
                                        isolation_level=None)
             if self.path != IN_MEMORY:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise UsageStoreError(f"usage store {self.path}: {exc} (--usage-db names a "
                                   "SQLite file in a directory the server can write)") from None
         self._db_lock = threading.Lock()

@@ -197,17 +197,29 @@ class FairQueue(Generic[T]):
         user = self._next_user(tenant)
         _, item = self._queues[tenant][user].popleft()
         self._pending -= 1
+        self._forget_if_empty(tenant, user)
         self.started(tenant, user)
         return item
+
+    def _forget_if_empty(self, tenant: str, user: str | None) -> None:
+        """Drop ``user``'s FIFO of ``tenant`` once empty, and the tenant's once it has none:
+        behind a front end with many users, every pass over the queues (:meth:`head`,
+        :meth:`share`) would otherwise grow with every user ever seen."""
+        users = self._queues.get(tenant)
+        if users is not None and not users.get(user, True):
+            del users[user]
+            if not users:
+                del self._queues[tenant]
 
     def remove(self, tenant: str, item: T) -> bool:
         """Take ``item`` out of ``tenant``'s queues (it left: timeout, cancel). True if it
         was there."""
-        for queue in self._queues.get(tenant, {}).values():
+        for user, queue in self._queues.get(tenant, {}).items():
             for entry in queue:
                 if entry[1] is item:
                     queue.remove(entry)
                     self._pending -= 1
+                    self._forget_if_empty(tenant, user)
                     return True
         return False
 

@@ -255,6 +255,11 @@ class AdmissionMiddleware:
                 metrics.aborted.inc()
             if first is not None:
                 note(first_token_s=first)
+            # The answer's tokens as they went out, for the tenant's bill where vLLM reports
+            # no usage (serve.accounting): a streamed answer's token events (one per engine
+            # step, so at most a few tokens short), a whole body's own usage.
+            note(answer_tokens=len(tracker.chunk_times) if tracker.streaming
+                 else tracker.completion_tokens())
             if completed:
                 metrics.finished.inc()
                 if tracker.streaming and tracker.ttft_s() is not None:

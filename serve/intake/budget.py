@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serve.intake.errors import IntakeError
-from serve.intake.request import GenerationRequest
+from serve.intake.request import GenerationRequest, is_token_ids
 from serve.models.remote_code.processing_phi3_v import hd_transform_size, num_image_tokens
 
 
@@ -110,9 +110,11 @@ class PromptBudget:
         image = sum(image_tokens(w, h, crops) for w, h in sizes)
         if request.messages is None:
             prompt = request.body.get(request.prompt_field)
+            if isinstance(prompt, list) and len(prompt) == 1 and not is_token_ids(prompt):
+                prompt = prompt[0]  # a batch of one (check_one_prompt refuses more)
             if isinstance(prompt, str):
                 return round(len(prompt.encode()) / self.bytes_per_token) + 1
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if is_token_ids(prompt):
                 return len(prompt)
             return 0
         total, text_bytes = self.fixed_tokens, 0

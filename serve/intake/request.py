@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -345,9 +346,17 @@ def check_user(value: Any) -> str | None:
     if len(value) > MAX_USER_CHARS:
         raise IntakeError(400, f"user is at most {MAX_USER_CHARS} characters; got "
                           f"{len(value)}", "user")
-    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
-        raise IntakeError(400, "user must not contain control characters", "user")
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 or unicodedata.category(c) in INVISIBLE
+           for c in value):
+        raise IntakeError(400, "user must not contain control, format (invisible or "
+                          "direction-changing) or line-separator characters", "user")
     return value or None
+
+
+#: Unicode categories refused in ``user``: format characters (zero-width, bidirectional
+#: overrides: ``alice`` and ``alice\u200b`` would be two users who look like one in the usage
+#: report) and the line and paragraph separators (Unicode's Cf, Zl, Zp; UAX #44).
+INVISIBLE = frozenset({"Cf", "Zl", "Zp"})
 
 
 #: Request fields vLLM would honour but we do not let clients set.
@@ -488,5 +497,27 @@ def parse_completion_request(body: Any, limits: RequestLimits) -> GenerationRequ
     if not isinstance(body, dict):
         raise IntakeError(400, "request body must be a JSON object")
     ignored = check_common(body, limits)
+    check_one_prompt(body.get("prompt"))
     return GenerationRequest(body, [], None, None, ("max_tokens",), "prompt",
                              tools_ignored=ignored)
+
+
+def is_token_ids(value: Any) -> bool:
+    """Whether ``value`` is one prompt given as token ids (a non-empty list of integers)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def check_one_prompt(prompt: Any) -> None:
+    """A completions ``prompt`` holds one prompt: a string, a list of token ids, or a list of
+    one of those. A list of several is a batch (the OpenAI API's array form): vLLM runs each
+    as its own generation under the one request, so one admission slot, one tenant limit
+    check and one fair-queue turn would stand for all of them, as with ``n`` > 1.
+
+    Raises:
+        IntakeError: 400 naming ``prompt`` for a batch of more than one prompt.
+    """
+    if isinstance(prompt, list) and not is_token_ids(prompt) and len(prompt) > 1:
+        raise IntakeError(400, f"prompt must be one prompt (a string or a list of token ids); "
+                          f"got a batch of {len(prompt)}: each is a full generation, send "
+                          "separate requests instead", "prompt")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 
 import httpx
 import pytest
@@ -25,6 +26,8 @@ TENANTS = {
     "tpm": ["--tokens-per-minute", str(BUDGET)],
     "daily": ["--tokens-per-day", str(BUDGET)],
     "monthly": ["--tokens-per-month", str(BUDGET)],
+    "responses": [],
+    "left": [],
 }
 
 
@@ -112,8 +115,24 @@ def test_each_limit_refuses_by_name_and_usage_survives_a_restart(keys):
         assert post(server, tokens["monthly"]).status_code == 200
         assert_refused(post(server, tokens["monthly"]), "tokens_per_month", 31 * 86400)
 
+        # Where vLLM reports no usage, the answer is billed as it went out: the Responses
+        # API's own count, and the tokens streamed to a client that left before the end.
+        answer = httpx.post(f"{server.base_url}/v1/responses", timeout=120, json={
+            "model": server.model, "input": "Hi", "max_output_tokens": ANSWER_TOKENS},
+            headers={"Authorization": f"Bearer {tokens['responses']}"})
+        assert answer.status_code == 200, answer.text
+        output_tokens = answer.json()["usage"]["output_tokens"]
+        assert output_tokens > 0
+        seen = _stream_then_leave(server, tokens["left"], after_events=20)
+        billed = _wait_for_metric(server, "phi3v_tenant_tokens_total",
+                                  {"tenant": "left", "kind": "completion"})
+        assert seen <= billed <= seen + 4, (seen, billed)  # a few were in flight
+
         # The per-tenant series, labelled with the tenants' names.
         scrape = server.metrics()
+        assert server.metric("phi3v_tenant_tokens_total",
+                             {"tenant": "responses", "kind": "completion"}, scrape) == \
+            output_tokens
         assert server.metric("phi3v_tenant_requests_total", {"tenant": "rpm"}, scrape) == 3
         assert server.metric("phi3v_tenant_refusals_total",
                              {"tenant": "rpm", "reason": "requests_per_minute"}, scrape) == 1
@@ -157,3 +176,32 @@ def test_each_limit_refuses_by_name_and_usage_survives_a_restart(keys):
         assert {d["tenant"] for d in only["days"]} == {"daily"}
     finally:
         stop_server(server)
+
+
+def _stream_then_leave(server, token: str, after_events: int) -> int:
+    """Stream a long answer, close the connection after ``after_events`` token events;
+    the events received."""
+    seen = 0
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=120,
+                      json=body(server, max_tokens=500, stream=True),
+                      headers={"Authorization": f"Bearer {token}"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"content"' in line:
+                seen += 1
+                if seen >= after_events:
+                    break
+    return seen
+
+
+def _wait_for_metric(server, name: str, labels: dict, timeout_s: float = 10.0) -> float:
+    """The series' value once it is above 0 (an answer is billed when its request ends)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = server.metric(name, labels)
+        except KeyError:  # not counted yet
+            value = 0.0
+        if value > 0 or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)

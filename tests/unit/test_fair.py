@@ -181,3 +181,19 @@ def test_a_trusted_front_ends_slots_are_shared_among_its_users():
     assert q.in_flight("ui") == 8 and q.in_flight("ui", "bob") == 2
     q.finished("ui", "bob")
     assert q.in_flight("ui", "bob") == 1 and q.in_flight("ui") == 7
+
+
+def test_the_queues_of_users_and_tenants_that_left_are_forgotten():
+    # Behind a front end with many users, each user's FIFO goes once it is empty, so every
+    # pass over the queues stays as long as what waits, not as every user ever seen.
+    fq = FairQueue()
+    for k in range(1000):
+        served, left = f"r{k}", f"x{k}"  # remove() finds an item by identity
+        fq.push("ui", served, user=f"user{k}")
+        fq.push("ui", left, user=f"gone{k}")
+        assert fq.pop("ui") is served and fq.remove("ui", left)
+        fq.finished("ui", f"user{k}")
+    assert len(fq) == 0 and fq.head() is None
+    assert fq._queues == {}  # no FIFO kept for the 2000 users who left
+    fq.push("ui", "again", user="user7")
+    assert fq.head() == ("ui", "again") and fq.pending("ui") == 1

@@ -254,7 +254,10 @@ def test_prompt_estimate_for_admission_is_close_to_the_exact_count():
     text = parse_completion_request({"prompt": prompt_text(rng, 500)}, limits)
     exact = len(budget.tokenizer.encode(text.body["prompt"], add_special_tokens=False))
     assert abs(budget.estimate(text) - exact) <= 0.15 * exact
-    assert budget.estimate(parse_completion_request({"prompt": [[1, 2], [3]]}, limits)) == 0
+    # A batch of one counts as its prompt (a batch of more is refused at intake).
+    assert budget.estimate(parse_completion_request({"prompt": [[1, 2, 3]]}, limits)) == 3
+    one = parse_completion_request({"prompt": [text.body["prompt"]]}, limits)
+    assert budget.estimate(one) == budget.estimate(text)
 
 
 def _receiving(body: bytes):

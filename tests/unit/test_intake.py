@@ -14,7 +14,7 @@ from PIL import Image
 from serve.auth import ApiKeys
 from serve.intake.errors import IntakeError
 from serve.intake.images import ImagePolicy, data_url_payload, decode_base64, prepare_image
-from serve.intake.request import RequestLimits, parse_chat_request
+from serve.intake.request import RequestLimits, parse_chat_request, parse_completion_request
 from serve.intake.urls import UrlPolicy, check_url, is_public
 from serve.streamguard import StreamGuardMiddleware
 from tests.helpers import IMAGES, vllm_token_event
@@ -147,6 +147,21 @@ def test_invalid_requests_name_the_field(body, param):
     with pytest.raises(IntakeError) as err:
         parse_chat_request(body, LIMITS)
     assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("prompt", ["hi", [1, 2, 3], ["hi"], [[1, 2, 3]]])
+def test_a_completions_prompt_is_one_prompt(prompt):
+    assert parse_completion_request({"prompt": prompt}, LIMITS).body["prompt"] == prompt
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]], ["p"] * 128])
+def test_a_batch_of_completions_prompts_is_refused_like_n(prompt):
+    # Each prompt of a batch is a full generation under one admission slot and one limit
+    # check: refused as n > 1 is, naming the field.
+    with pytest.raises(IntakeError) as err:
+        parse_completion_request({"prompt": prompt}, LIMITS)
+    assert err.value.status == 400 and err.value.param == "prompt"
+    assert f"batch of {len(prompt)}" in str(err.value)
 
 
 def test_control_sequences_are_neutralised():

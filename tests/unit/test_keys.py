@@ -153,6 +153,28 @@ def test_missing_or_broken_files_say_so(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(KeysFileError, match="not valid JSON"):
         KeyStore(tmp_path / "bad.json")
+    # Nesting deeper than the JSON parser's stack is a bad file, not a crash.
+    (tmp_path / "deep.json").write_text("[" * 200_000)
+    with pytest.raises(KeysFileError, match="nested too deeply"):
+        KeyStore(tmp_path / "deep.json")
+
+
+@pytest.mark.parametrize("weight", [0, -1, 1e-7, 1e7, 1e308, float("inf")])
+def test_a_weight_outside_its_bounds_is_refused(tmp_path, weight):
+    # Fair admission divides by the sum of weights: 1e308 twice would make it infinite.
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"version": 1, "tenants": {"a": {"weight": weight}}}))
+    with pytest.raises(KeysFileError, match=r"tenants\['a'\].weight"):
+        KeyStore(path)
+
+
+def test_a_keys_file_behind_a_symlink_is_written_through_it(tmp_path, capsys):
+    target, link = tmp_path / "real" / "keys.json", tmp_path / "keys.json"
+    target.parent.mkdir()
+    add(capsys, target, "team-a")
+    link.symlink_to(target)
+    add(capsys, link, "team-b")
+    assert link.is_symlink() and len(key_ids(target)) == 2
 
 
 # --- the CLI ----------------------------------------------------------------------------------
@@ -349,6 +371,12 @@ async def test_one_401_whatever_was_wrong_and_403_on_admin_routes(tmp_path, caps
                    f"Basic {token}".encode(), b"Bearer " + token[:-2].encode(), b"\xff\xfe"):
         status, body, headers = await call(gateway, scope(header=header))
         refusals.append((status, body, headers.get(b"www-authenticate")))
+    # Two Authorization headers, a valid one first or last: a proxy may read the other one.
+    for pair in ((token, "phi3v-unknown"), ("phi3v-unknown", token), (token, token)):
+        two = scope()
+        two["headers"] = [(b"authorization", f"Bearer {t}".encode()) for t in pair]
+        status, body, headers = await call(gateway, two)
+        refusals.append((status, body, headers.get(b"www-authenticate")))
     assert len(set(refusals)) == 1, refusals
     status, body, _ = refusals[0]
     assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
@@ -370,7 +398,10 @@ def test_user_is_bounded_and_named_in_errors():
     assert check_user(None) is None and check_user("") is None
     assert check_user("alice@example.com") == "alice@example.com"
     assert check_user("u" * MAX_USER_CHARS) == "u" * MAX_USER_CHARS
-    for bad in ("u" * (MAX_USER_CHARS + 1), 42, ["a"], "a\nb"):
+    assert check_user("Zoë Müller 张伟") == "Zoë Müller 张伟"  # letters of any script
+    # Invisible and direction-changing characters would make two users that look alike.
+    for bad in ("u" * (MAX_USER_CHARS + 1), 42, ["a"], "a\nb", "alice\u200b", "rlo\u202eevil",
+                "ls\u2028x", "\ufeffbom"):
         with pytest.raises(IntakeError) as err:
             check_user(bad)
         assert err.value.param == "user", bad

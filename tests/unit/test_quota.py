@@ -147,6 +147,23 @@ def test_month_budget_rolls_over_on_the_first_and_is_seeded_from_the_store():
     assert quota.tokens_this_month("acme") == 0 and quota.check(acme, 600) is None
 
 
+def test_a_request_across_midnight_corrects_the_old_day_not_the_new_one():
+    # Its prompt's estimate (4000) was counted in March 31; vLLM's count (0 here) arrives
+    # on April 1: the new day and month start from the completion alone, never below 0.
+    clock = Clock(END_OF_MARCH + 59)
+    quota, acme = Quota(clock), tenant(tokens_per_day=5000, tokens_per_month=5000)
+    ticket = quota.started(acme, 4000)
+    clock.now += 2
+    quota.finished(ticket, 0, 7)
+    assert quota.tokens_today("acme") == 7 and quota.tokens_this_month("acme") == 7
+    assert quota.check(acme, 5000).limit in ("tokens_per_day", "tokens_per_month")
+    assert quota.check(acme, 4993) is None
+    # Within one day, the correction applies as before.
+    ticket = quota.started(acme, 100)
+    quota.finished(ticket, 40, 0)
+    assert quota.tokens_today("acme") == 47
+
+
 def test_the_longest_retry_after_of_every_limit_exceeded_is_named():
     clock = Clock()
     quota = Quota(clock)

@@ -67,6 +67,19 @@ def test_totals_survive_closing_and_reopening_the_file(tmp_path):
         assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
+def test_the_store_and_its_wal_are_readable_by_their_owner_only(tmp_path):
+    # They name tenants and users, as the keys file names tenants (0600 both).
+    path = tmp_path / "usage.sqlite3"
+    store = UsageStore(path, Clock())
+    store.add("acme", user="alice", requests=1)
+    store.flush()
+    files = [p for p in tmp_path.iterdir() if p.name.startswith("usage.sqlite3")]
+    assert path in files and len(files) >= 2  # the WAL is open beside it
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == dict.fromkeys(
+        (p.name for p in files), 0o600)
+    store.close()
+
+
 def test_writes_are_batched_in_memory_until_a_flush(tmp_path):
     path = tmp_path / "usage.sqlite3"
     store = UsageStore(path, Clock())
