@@ -9,6 +9,7 @@ same tests as ``pytest tests/unit``.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,14 @@ TIERS = ("unit", "engine", "browser")
 
 def _tier(item) -> str:
     return Path(str(item.fspath)).parent.name
+
+
+def pytest_configure(config) -> None:
+    """Drop the operator's ``PHI3V_*`` variables: every test sets what its server needs, and a
+    keys file exported while following the README (``PHI3V_KEYS_FILE``) would put every test
+    server behind keys its requests do not carry."""
+    for name in [n for n in os.environ if n.startswith("PHI3V_")]:
+        del os.environ[name]
 
 
 def pytest_collection_modifyitems(config, items) -> None:

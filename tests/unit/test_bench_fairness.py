@@ -198,3 +198,28 @@ def test_a_per_step_loss_fails_even_when_the_core_was_faster_for_the_shared_run(
         r["goodput"]["shared"] *= 1.25
     v = judge(rs)
     assert v["per_s"]["lo"] >= 0.95 and v["checks"]["goodput"] == "fail", v
+
+
+def test_a_ledger_appended_to_leaves_the_checkout_clean_a_code_change_does_not(tmp_path):
+    # The second run of one commit must pool with the first before its rounds are committed.
+    import subprocess
+
+    from bench.process import RESULTS, git_state
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       cwd=tmp_path, check=True, capture_output=True)
+
+    ledger = tmp_path / RESULTS / "fairness-ledger.jsonl"
+    ledger.parent.mkdir(parents=True)
+    ledger.write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    commit = git_state(tmp_path)[0]
+    assert git_state(tmp_path) == (commit, False) and len(commit) == 40
+    ledger.write_text("{}\n{}\n")
+    assert git_state(tmp_path) == (commit, False)
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_state(tmp_path) == (commit, True)
