@@ -94,15 +94,36 @@ class FairQueue(Generic[T]):
         total = sum(self.weight(t) for t in active)
         return self.weight(tenant) / total
 
-    def position(self, tenant: str) -> int:
+    def queued(self, tenant: str, user: str | None = None) -> int:
+        """Items of ``tenant`` waiting: all of them, or with ``user`` that user's."""
+        if user is None:
+            return self.pending(tenant)
+        return len(self._queues.get(tenant, {}).get(user, ()))
+
+    def _users(self, tenant: str, user: str | None) -> int:
+        """Users of ``tenant`` active now (waiting or holding a slot), ``user`` included."""
+        active = {u for u, q in self._queues.get(tenant, {}).items() if q}
+        active.update(u for (t, u), n in self._user_in_flight.items() if t == tenant and n > 0)
+        active.add(user)
+        return len(active)
+
+    def position(self, tenant: str, user: str | None = None) -> int:
         """Places from the head a request of ``tenant`` queued now is worth, in requests of
         the whole queue: its tenant's queue, plus the slots it holds beyond its share of
         those in use, scaled by the tenant's :meth:`share` of the drain (``n`` requests of a
         tenant holding half the slots wait about as long as ``2n`` of a tenant alone). A
-        tenant alone: its queue length (the FIFO's position)."""
+        tenant alone: its queue length (the FIFO's position). With ``user`` (a trusted front
+        end's) among several active users of the tenant, the tenant's queue ahead of it is
+        what the tenant's turns give the user (:meth:`_next_user`: an equal share each): its
+        own queue and slots beyond that share, times the users, at most the tenant's queue."""
         share = self.share(tenant)
         over = max(0.0, self._in_flight[tenant] - share * sum(self._in_flight.values()))
-        return math.ceil((self.pending(tenant) + over) / share)
+        ahead: float = self.pending(tenant)
+        if user is not None and (users := self._users(tenant, user)) > 1:
+            mine_over = max(0.0, self._user_in_flight[tenant, user]
+                            - self._in_flight[tenant] / users)
+            ahead = min(ahead, (self.queued(tenant, user) + mine_over) * users)
+        return math.ceil((ahead + over) / share)
 
     def below_share(self, tenant: str) -> bool:
         """Whether other tenants are active and ``tenant`` holds fewer slots than its share
@@ -111,13 +132,18 @@ class FairQueue(Generic[T]):
         share = self.share(tenant)
         return share < 1.0 and self._in_flight[tenant] < share * sum(self._in_flight.values())
 
-    def over_share(self, tenant: str) -> bool:
+    def over_share(self, tenant: str, user: str | None = None) -> bool:
         """Whether ``tenant`` is the only active tenant or holds more slots than its share of
         those in use: what it waits for is its own load, not the others'. The queue deadline
         (``AdmissionLimiter.acquire``) refuses only such a tenant's requests, so a tenant
-        within its share is never refused for the others' flood."""
+        within its share is never refused for the others' flood. With ``user`` (a trusted
+        front end's), the user too must be alone in the tenant or hold more than an equal
+        share of the tenant's slots: one user's flood is no reason to refuse another's."""
         share = self.share(tenant)
-        return share >= 1.0 or self._in_flight[tenant] > share * sum(self._in_flight.values())
+        over = share >= 1.0 or self._in_flight[tenant] > share * sum(self._in_flight.values())
+        if not over or user is None or (users := self._users(tenant, user)) == 1:
+            return over
+        return self._user_in_flight[tenant, user] > self._in_flight[tenant] / users
 
     def ahead(self, tenant: str, ahead: int) -> int:
         """How many of the ``ahead`` admitted requests still waiting for a batch slot count

@@ -62,12 +62,14 @@ class Rejected(Exception):
 
 
 def queue_wait_limit(slots: SlotCounter, queue: FairQueue, tenant: str,
-                     ttft_target_s: float | None, max_queue_wait_s: float) -> tuple[float, bool]:
-    """Seconds a request of ``tenant`` queued now may wait for a slot, and whether the queue
-    deadline (:meth:`SlotCounter.queue_wait_bound_s`, for a tenant alone or over its share:
-    :meth:`FairQueue.over_share`) rather than ``max_queue_wait_s`` sets it. The limiter's and
-    the simulator's gate's one rule."""
-    bound = slots.queue_wait_bound_s(ttft_target_s) if queue.over_share(tenant) else None
+                     ttft_target_s: float | None, max_queue_wait_s: float,
+                     user: str | None = None) -> tuple[float, bool]:
+    """Seconds a request of ``tenant`` (``user``) queued now may wait for a slot, and whether
+    the queue deadline (:meth:`SlotCounter.queue_wait_bound_s`, for a tenant alone or over its
+    share: :meth:`FairQueue.over_share`) rather than ``max_queue_wait_s`` sets it. The
+    limiter's and the simulator's gate's one rule."""
+    bound = (slots.queue_wait_bound_s(ttft_target_s) if queue.over_share(tenant, user)
+             else None)
     if bound is not None and bound < max_queue_wait_s:
         return bound, True
     return max_queue_wait_s, False
@@ -197,18 +199,20 @@ class AdmissionLimiter:
             self.queue.started(tenant, user)
             return self._granted(self.slots.take(start, tokens), tenant, user)
         who = "" if tenant == DEFAULT_TENANT else f"tenant '{tenant}': "
-        if self.queue.pending(tenant) >= self.max_queue:
+        # A trusted front end's user: the bound is the user's (one user's flood must not
+        # fill it for the others), and so is the position the SLO is judged on.
+        if (queued := self.queue.queued(tenant, user)) >= self.max_queue:
             raise Rejected(QUEUE_FULL, self.retry_after_s(tenant),
-                           f"Server busy: {who}{self.queue.pending(tenant)} requests already "
-                           f"queued (max_queue={self.max_queue}).")
-        wait = self.slots.slo_wait_s(self.queue.position(tenant), ttft_target_s,
+                           f"Server busy: {who}{queued} requests already queued "
+                           f"(max_queue={self.max_queue}).")
+        wait = self.slots.slo_wait_s(self.queue.position(tenant, user), ttft_target_s,
                                      self.queue.ahead(tenant, self.slots.ahead()))
         if wait is not None:
             raise Rejected(SLO, self.retry_after_s(tenant),
                            f"Server busy: {who}expected queue wait {wait:.1f}s exceeds the "
                            f"TTFT target {ttft_target_s:.1f}s.")
         timeout, deadline = queue_wait_limit(self.slots, self.queue, tenant, ttft_target_s,
-                                             self.max_queue_wait_s)
+                                             self.max_queue_wait_s, user)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         waiter = (fut, tokens, user)
         self.queue.push(tenant, waiter, weight, user)

@@ -197,3 +197,45 @@ def test_the_queues_of_users_and_tenants_that_left_are_forgotten():
     assert fq._queues == {}  # no FIFO kept for the 2000 users who left
     fq.push("ui", "again", user="user7")
     assert fq.head() == ("ui", "again") and fq.pending("ui") == 1
+
+
+def test_one_users_flood_is_judged_as_that_users_not_the_whole_front_ends():
+    # A trusted front end "ui" alone on the server: mallory holds its 3 slots and queues 100
+    # more; alice's one request is 2 places from the head in the tenant's turns (equal
+    # shares), and she is within her share, so the queue deadline leaves her alone.
+    q: FairQueue[str] = FairQueue()
+    for _ in range(3):
+        q.started("ui", "mallory")
+    for i in range(100):
+        q.push("ui", f"m{i}", user="mallory")
+    q.push("ui", "a0", user="alice")
+    assert q.position("ui", "alice") == 2
+    assert q.position("ui", "mallory") == q.position("ui") == 101
+    assert q.over_share("ui") and q.over_share("ui", "mallory")
+    assert not q.over_share("ui", "alice")
+    assert q.queued("ui", "alice") == 1 and q.queued("ui", "mallory") == 100
+    # A user alone in the tenant is judged as the tenant.
+    solo: FairQueue[str] = FairQueue()
+    solo.started("ui", "bob")
+    solo.push("ui", "b0", user="bob")
+    assert solo.position("ui", "bob") == solo.position("ui") and solo.over_share("ui", "bob")
+
+
+async def test_one_users_full_queue_refuses_that_user_only():
+    lim = AdmissionLimiter(limit=2, max_queue=3, max_queue_wait_s=5)
+    held = [await lim.acquire(tenant="ui", user="mallory") for _ in range(2)]
+    flood = [asyncio.ensure_future(lim.acquire(tenant="ui", user="mallory")) for _ in range(3)]
+    await asyncio.sleep(0)
+    with pytest.raises(Rejected) as rej:
+        await lim.acquire(tenant="ui", user="mallory")
+    assert rej.value.reason == QUEUE_FULL
+    alice = asyncio.ensure_future(lim.acquire(tenant="ui", user="alice"))
+    await asyncio.sleep(0)
+    assert not alice.done()  # queued, not refused
+    held.pop().release()  # the tenant's next slot goes to the user holding fewest: alice
+    slot = await asyncio.wait_for(alice, 1)
+    assert not any(f.done() for f in flood)
+    slot.release()
+    held.pop().release()
+    for f in flood:
+        (await asyncio.wait_for(f, 1)).release()
