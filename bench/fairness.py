@@ -3,7 +3,8 @@ bench-fairness``.
 
 ``python -m bench.fairness [--rounds 6] [--flood-s 25] [--weighted-s 20] [--capacity R]
 [--out bench/out] [--ledger bench/results/fairness-ledger.jsonl]``;
-``python -m bench.fairness --judge [--commit SHA]`` judges the ledger without a run.
+``python -m bench.fairness --judge [--commit SHA]`` judges the ledger without a run;
+``--void RUN --why TEXT`` withdraws a run's rounds (a record appended, the rounds kept).
 
 One server (``python -m serve`` on the tiny model, a keys file of five tenants, the flags of
 :func:`bench.tenants.server_args`); its capacity (completed requests per second with a full
@@ -74,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -81,9 +83,10 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -119,8 +122,8 @@ FLOOD_ARMS = ("shared", "alone", "alone2")
 BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 2000, 0
 #: Where rounds are appended (committed history, as ``make bench``'s ledger).
 DEFAULT_LEDGER = ROOT / "bench" / "results" / "fairness-ledger.jsonl"
-#: ``kind`` of a round's ledger record.
-ROUND_KIND = "fairness-round"
+#: ``kind`` of a round's ledger record, and of a record withdrawing a run (:func:`voided`).
+ROUND_KIND, VOID_KIND = "fairness-round", "fairness-void"
 
 
 def interval(log_values: Sequence[float]) -> dict:
@@ -151,7 +154,12 @@ def judge(rounds: list[dict]) -> dict:
     ``good`` (good answers in the window), ``steps`` (engine steps in it) and ``goodput``
     (good answers per second), ``split`` (``{"heavy", "lighter"}`` answers served) and
     ``light`` (``{"non200", "ttft_p90_s"}``). Goodput and its A/A control are judged per
-    engine step (:func:`per_step`); per second they are reported (``per_s``, ``aa_per_s``)."""
+    engine step (:func:`per_step`); per second they are reported (``per_s``, ``aa_per_s``).
+    A round ``flagged`` (another job took the CPU: :data:`bench.compare.MAX_FOREIGN_CPU`,
+    steal over :data:`bench.compare.MAX_STEAL`) is left out and counted (``flagged``)."""
+    flagged = sum(bool(r.get("flagged")) for r in rounds)
+    rounds = [r for r in rounds if not r.get("flagged")]
+
     def logs(num: str, den: str, of) -> list[float]:
         return [math.log(of(r, num) / of(r, den)) for r in rounds
                 if of(r, num) > 0 and of(r, den) > 0]
@@ -184,6 +192,7 @@ def judge(rounds: list[dict]) -> dict:
     else:
         result = "pass"
     return {"goodput": goodput, "aa": aa, "per_s": per_s, "aa_per_s": aa_per_s,
+            "rounds": len(rounds), "flagged": flagged,
             "split": split, "valid": valid, "checks": checks,
             "light_non200": non200, "light_ttft_p90_s": ttft, "result": result}
 
@@ -215,7 +224,8 @@ def pooled_rounds(records: Sequence[Mapping], commit: str | None = None) -> list
     ledger order. Raises ValueError when the ledger holds no such round."""
     from bench.verdict import select_pool
 
-    rounds = [r for r in records if r.get("kind") == ROUND_KIND]
+    rounds = [r for r in records if r.get("kind") == ROUND_KIND
+              and r.get("run") not in voided(records)]
     pool = select_pool(rounds, commit)
     design = pool[-1].get("design")
     return [r for r in pool if r.get("design") == design]
@@ -257,12 +267,21 @@ async def flood_arm(base_url: str, model: str, senders: dict[str, tuple[str, flo
 
 
 async def run_round(base_url: str, model: str, tokens: dict[str, str], capacity: float,
-                    order: Sequence[str], seed: int, flood_s: float, weighted_s: float) -> dict:
-    """One round (module docstring): the flood arms in ``order``, then the weighted run."""
-    good, steps, goodput, light = {}, {}, {}, {}
+                    order: Sequence[str], seed: int, flood_s: float, weighted_s: float,
+                    meter: Callable[[], Any] = contextlib.nullcontext) -> dict:
+    """One round (module docstring): the flood arms in ``order``, then the weighted run.
+    ``meter()`` is a context manager around each flood arm; when it has ``steal`` and
+    ``foreign`` shares and ``flagged`` (:class:`bench.compare.Meter`), they go in the round's
+    ``machine``, and a flagged arm flags the round (:func:`judge` leaves it out)."""
+    good, steps, goodput, light, machine = {}, {}, {}, {}, {}
     for arm in order:
-        outcomes, lo, hi, steps[arm] = await flood_arm(
-            base_url, model, flood_load(tokens, capacity, alone=arm != "shared"), flood_s, seed)
+        with meter() as m:
+            outcomes, lo, hi, steps[arm] = await flood_arm(
+                base_url, model, flood_load(tokens, capacity, alone=arm != "shared"), flood_s,
+                seed)
+        if m is not None:
+            machine[arm] = {"steal": round(m.steal, 4), "foreign": round(m.foreign, 4),
+                            "flagged": m.flagged}
         good[arm] = served_in_window(outcomes, lo, hi, good_only=True)
         goodput[arm] = good[arm] / (hi - lo)
         if arm == "shared":
@@ -275,7 +294,8 @@ async def run_round(base_url: str, model: str, tokens: dict[str, str], capacity:
                                seed=1000 + seed)
     split = served_by_tenant(outcomes, weighted_s, ("heavy", "lighter"))
     return {"seed": seed, "order": list(order), "good": good, "steps": steps,
-            "goodput": goodput, "light": light, "split": split}
+            "goodput": goodput, "light": light, "split": split, "machine": machine,
+            "flagged": any(v["flagged"] for v in machine.values())}
 
 
 def _say_verdict(what: str, v: dict) -> None:
@@ -304,20 +324,30 @@ def same_rounds(ledger: Path, commit: str, dirty: bool, design: Mapping) -> list
 
     if not ledger.exists():
         return []
-    return [r for r in read_ledger(ledger) if r.get("kind") == ROUND_KIND
+    records = read_ledger(ledger)
+    return [r for r in records if r.get("kind") == ROUND_KIND
+            and r.get("run") not in voided(records)
             and (r.get("commit"), bool(r.get("dirty")), r.get("design"))
             == (commit, dirty, dict(design))]
 
 
+def voided(records: Sequence[Mapping]) -> set[str]:
+    """Runs a ``fairness-void`` record withdrew (``--void RUN --why TEXT``): the ledger stays
+    append-only; the verdict no longer counts their rounds."""
+    return {r["run"] for r in records if r.get("kind") == VOID_KIND}
+
+
 def pooled_line(verdict: dict, pool: Sequence[Mapping]) -> str:
-    """:func:`summary_line` of a pool: its runs, its rounds, the newest run's capacity."""
-    return summary_line(len(pool), pool[-1]["capacity_rps"], verdict,
+    """:func:`summary_line` of a pool: its runs, its rounds judged, the newest run's
+    capacity."""
+    return summary_line(verdict["rounds"], pool[-1]["capacity_rps"], verdict,
                         runs=len({r["run"] for r in pool}))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI (module docstring). 0 unless the server could not start; 2 when ``--judge``
     finds no round to judge."""
+    from bench.compare import Meter
     from bench.process import ensure_tiny_model, git_state, start_serve, stop_process
     from bench.progress import bar, say
 
@@ -337,7 +367,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--judge", action="store_true",
                    help="no run: print the pooled verdict of the ledger")
     p.add_argument("--commit", help="with --judge: pool the rounds of this commit (prefix)")
+    p.add_argument("--void", metavar="RUN", help="no run: withdraw run RUN's rounds from the "
+                   "verdict (a record in the ledger, with --why)")
+    p.add_argument("--why", help="with --void: the reason, kept in the ledger")
     args = p.parse_args(argv)
+    if args.void:
+        if not args.why:
+            p.error("--void needs --why")
+        append_record(args.ledger, {"schema": 1, "kind": VOID_KIND, "run": args.void,
+                                    "why": args.why, "t": time.time()})
+        print(f"run {args.void} withdrawn from {args.ledger}: {args.why}")
+        return 0
     if args.judge:
         try:
             verdict, pool = judge_ledger(args.ledger, args.commit)
@@ -376,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with bar(args.rounds, "fairness rounds", "round") as progress:
             for k, order in enumerate(orders):
                 r = asyncio.run(run_round(server.base_url, model, tokens, capacity, order,
-                                          first_seed + k, args.flood_s, args.weighted_s))
+                                          first_seed + k, args.flood_s, args.weighted_s,
+                                          lambda: Meter({"serve": server}, "serve")))
                 rounds.append(r)
                 append_record(args.ledger, round_record(run_id, commit, dirty, design,
                                                         capacity, len(earlier) + k, r))
@@ -388,7 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{1000 * per_step(r, 'alone2'):.2f}; split heavy "
                     f"{r['split']['heavy']:.1f} lighter {r['split']['lighter']:.1f}; light "
                     f"{r['light']['non200']} non-200 of {r['light']['sent']}, TTFT p90 "
-                    f"{r['light']['ttft_p90_s']:.2f} s")
+                    f"{r['light']['ttft_p90_s']:.2f} s"
+                    + ("; FLAGGED (other CPU work), left out" if r["flagged"] else ""))
                 progress.update()
     finally:
         stop_process(server)
@@ -400,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
          "elapsed_s": time.perf_counter() - t0,
          "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
     _say_verdict("this run", verdict)
-    say(f"this run: {summary_line(len(rounds), capacity, verdict)}; "
+    say(f"this run: {summary_line(verdict['rounds'], capacity, verdict)}; "
         f"{statistics.fmean(r['goodput']['alone'] for r in rounds):.2f} good answers/s alone")
     _say_verdict(f"pooled over {len(pool)} rounds", pooled)
     print(pooled_line(pooled, pool), flush=True)

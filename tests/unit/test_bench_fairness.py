@@ -223,3 +223,30 @@ def test_a_ledger_appended_to_leaves_the_checkout_clean_a_code_change_does_not(t
     assert git_state(tmp_path) == (commit, False)
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_state(tmp_path) == (commit, True)
+
+
+def test_a_round_flagged_for_other_cpu_work_is_left_out_and_counted():
+    rs = rounds(n=6)
+    rs[2]["flagged"] = True
+    rs[2]["good"]["shared"] *= 0.5  # what another job's CPU did to it
+    v = judge(rs)
+    assert v["rounds"] == 5 and v["flagged"] == 1 and v["result"] == "pass", v
+    assert LINE.fullmatch(summary_line(v["rounds"], 9.0, v))
+
+
+def test_a_voided_run_leaves_the_pool_and_the_ledger_keeps_it(tmp_path, capsys):
+    ledger = tmp_path / "fairness-ledger.jsonl"
+    bad = rounds(n=3, shared=0.5, seed=9)
+    write_ledger(ledger, [("good", "dddd", False, DESIGN, rounds(n=4, seed=1)),
+                          ("bad", "dddd", False, DESIGN, bad)])
+    assert len(fairness.judge_ledger(ledger)[1]) == 7
+    with pytest.raises(SystemExit):  # a withdrawal needs its reason
+        fairness.main(["--ledger", str(ledger), "--void", "bad"])
+    capsys.readouterr()
+    assert fairness.main(["--ledger", str(ledger), "--void", "bad", "--why",
+                          "another job ran beside it"]) == 0
+    verdict, pool = fairness.judge_ledger(ledger)
+    assert {r["run"] for r in pool} == {"good"} and verdict["result"] == "pass"
+    assert len(fairness.same_rounds(ledger, "dddd", False, DESIGN)) == 4
+    from bench.verdict import read_ledger
+    assert sum(r.get("kind") == fairness.ROUND_KIND for r in read_ledger(ledger)) == 7
