@@ -122,7 +122,8 @@ FLOOD_ARMS = ("shared", "alone", "alone2")
 BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 2000, 0
 #: Where rounds are appended (committed history, as ``make bench``'s ledger).
 DEFAULT_LEDGER = ROOT / "bench" / "results" / "fairness-ledger.jsonl"
-#: ``kind`` of a round's ledger record, and of a record withdrawing a run (:func:`voided`).
+#: ``kind`` of a round's ledger record, and of a record withdrawing a run
+#: (:func:`counted_rounds`).
 ROUND_KIND, VOID_KIND = "fairness-round", "fairness-void"
 
 
@@ -224,9 +225,7 @@ def pooled_rounds(records: Sequence[Mapping], commit: str | None = None) -> list
     ledger order. Raises ValueError when the ledger holds no such round."""
     from bench.verdict import select_pool
 
-    rounds = [r for r in records if r.get("kind") == ROUND_KIND
-              and r.get("run") not in voided(records)]
-    pool = select_pool(rounds, commit)
+    pool = select_pool(counted_rounds(records), commit)
     design = pool[-1].get("design")
     return [r for r in pool if r.get("design") == design]
 
@@ -324,17 +323,16 @@ def same_rounds(ledger: Path, commit: str, dirty: bool, design: Mapping) -> list
 
     if not ledger.exists():
         return []
-    records = read_ledger(ledger)
-    return [r for r in records if r.get("kind") == ROUND_KIND
-            and r.get("run") not in voided(records)
-            and (r.get("commit"), bool(r.get("dirty")), r.get("design"))
+    return [r for r in counted_rounds(read_ledger(ledger))
+            if (r.get("commit"), bool(r.get("dirty")), r.get("design"))
             == (commit, dirty, dict(design))]
 
 
-def voided(records: Sequence[Mapping]) -> set[str]:
-    """Runs a ``fairness-void`` record withdrew (``--void RUN --why TEXT``): the ledger stays
-    append-only; the verdict no longer counts their rounds."""
-    return {r["run"] for r in records if r.get("kind") == VOID_KIND}
+def counted_rounds(records: Sequence[Mapping]) -> list[Mapping]:
+    """The round records of runs no ``fairness-void`` record withdrew (``--void RUN --why
+    TEXT``: the ledger stays append-only; the verdict no longer counts their rounds)."""
+    void = {r["run"] for r in records if r.get("kind") == VOID_KIND}
+    return [r for r in records if r.get("kind") == ROUND_KIND and r.get("run") not in void]
 
 
 def pooled_line(verdict: dict, pool: Sequence[Mapping]) -> str:

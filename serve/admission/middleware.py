@@ -157,12 +157,21 @@ class ResponseTracker:
             return int(usage.get("completion_tokens", usage.get("output_tokens")))
         return None
 
-    def meets(self, slo: SloTargets) -> bool:
-        """Whether a completed request met its targets (``serve.admission.goodput``)."""
+    def answer_tokens(self) -> int | None:
+        """The answer's tokens as they went out: a streamed answer's token events (one per
+        engine step, so at most a few tokens short), a whole body's own usage (its JSON is
+        parsed here: call once)."""
+        return len(self.chunk_times) if self.streaming else self.completion_tokens()
+
+    def meets(self, slo: SloTargets, answer_tokens: int | None = None) -> bool:
+        """Whether a completed request met its targets (``serve.admission.goodput``);
+        ``answer_tokens``: :meth:`answer_tokens`, when the caller has it already."""
         if self.streaming:
             return streamed_good(self.ttft_s(), self.mean_itl_s(), slo)
         e2e = self.chunk_times[-1] - self.arrival if self.chunk_times else None
-        return non_streamed_good(e2e, self.completion_tokens() or 1, slo)
+        if answer_tokens is None:
+            answer_tokens = self.completion_tokens()
+        return non_streamed_good(e2e, answer_tokens or 1, slo)
 
 
 class AdmissionMiddleware:
@@ -255,16 +264,14 @@ class AdmissionMiddleware:
                 metrics.aborted.inc()
             if first is not None:
                 note(first_token_s=first)
-            # The answer's tokens as they went out, for the tenant's bill where vLLM reports
-            # no usage (serve.accounting): a streamed answer's token events (one per engine
-            # step, so at most a few tokens short), a whole body's own usage.
-            note(answer_tokens=len(tracker.chunk_times) if tracker.streaming
-                 else tracker.completion_tokens())
+            # For the tenant's bill where vLLM reports no usage (serve.accounting).
+            answer_tokens = tracker.answer_tokens()
+            note(answer_tokens=answer_tokens)
             if completed:
                 metrics.finished.inc()
                 if tracker.streaming and tracker.ttft_s() is not None:
                     metrics.ttft.observe(tracker.ttft_s())
-                if tracker.meets(self.slo):
+                if tracker.meets(self.slo, answer_tokens):
                     metrics.goodput.inc()
                     note(goodput=True)  # the tenant's goodput (serve.accounting)
 
