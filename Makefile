@@ -168,8 +168,9 @@ bench-layers: install system-deps
 # simulator (six traces, two profiles, seeds 0-9; ~6 min), then on the real tiny engine in
 # paired episodes (~12 min, alone on the machine); one line at the end (bench/README.md).
 bench-autotune: install model
-	$(PY) -m bench.simjudge --out bench/out
-	$(PY) -m bench.witness --out bench/out --sim bench/out/simjudge.json $(BENCH_ARGS)
+	$(PY) -m bench.calibrate --out bench/out
+	$(PY) -m bench.simjudge --out bench/out --cpu-profile bench/out/cpu-profile.json
+	$(PY) -m bench.witness --out bench/out --sim bench/out/simjudge.json --profile bench/out/cpu-profile.json $(BENCH_ARGS)
 
 # Fair admission between tenants on the real tiny engine: a flood's total goodput against one
 # tenant's, an A/A control, the 3:1 weighted split, in rounds (~14 min, alone on the machine);

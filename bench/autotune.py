@@ -56,7 +56,7 @@ from pathlib import Path
 
 from bench.progress import bar as progress_bar
 from bench.progress import say
-from bench.sim import PROFILES, RequestResult, RunResult, Setup, simulate
+from bench.sim import PROFILES, EngineConfig, RequestResult, RunResult, Setup, simulate
 from bench.trace import (
     CPU_CAPACITY,
     SUITE,
@@ -283,15 +283,21 @@ def static_limits(ceiling: int) -> tuple[int, ...]:
     return tuple(out if out[-1] == ceiling else [*out, ceiling])
 
 
-def measure_capacity(setup: Setup, num_crops: int, seed: int = 0) -> Capacity:
+def measure_capacity(setup: Setup, num_crops: int, seed: int = 0,
+                     shapes: Capacity | None = None) -> Capacity:
     """The engine's saturated throughput per request mix (:class:`bench.trace.Capacity`).
 
     For each mix, ``4 x max_num_seqs`` requests arrive at once and the engine serves them
     with the best of two fixed limits, its own ``max_num_seqs`` and the KV-safe capacity (so
     that preemption thrash is not counted as capacity); throughput = finished / makespan.
+    ``shapes``: the mixes' request shapes (``chat_output_tokens``; default the suite's);
+    its rates are ignored.
     """
     ceiling = setup.engine.max_num_seqs
     base = Capacity(1.0, 1.0, 1.0, ceiling, num_crops=(num_crops, num_crops))
+    if shapes is not None:
+        base = replace(shapes, chat_rps=1.0, vision_rps=1.0, long_rps=1.0, ceiling=ceiling,
+                       num_crops=(num_crops, num_crops))
     n = 4 * ceiling
     backlog = replace(setup, max_queue=n, max_queue_wait_s=1e9, slo_shedding=False)
 
@@ -373,10 +379,16 @@ class SuiteReport:
         return best, worst(best)
 
 
-def suite_setup(profile: str) -> tuple[Setup, int]:
-    """The setup a GPU server with today's settings runs on ``profile``, and its num_crops."""
-    settings = Settings(device="cuda")
-    setup = Setup.from_settings(settings, PROFILES[profile]())
+def suite_setup(profile: str, engine: EngineConfig | None = None) -> tuple[Setup, int]:
+    """The setup a server with today's settings runs on ``profile``, and its num_crops: a GPU
+    server's defaults on ``gpu-like`` and ``h200``; on ``cpu`` a CPU server's defaults with
+    the CPU benchmarks' SLO (:data:`CPU_SLO`, what the real-engine witness serves).
+    ``engine``: the profile's constants (default :data:`bench.sim.PROFILES`'s)."""
+    if profile == "cpu":
+        settings = Settings(device="cpu", slo_ttft_s=CPU_SLO_TTFT_S, slo_itl_s=CPU_SLO_ITL_S)
+    else:
+        settings = Settings(device="cuda")
+    setup = Setup.from_settings(settings, engine if engine is not None else PROFILES[profile]())
     return setup, settings.resolved().num_crops
 
 

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from bench.trace import Trace, TraceRequest
 from serve.admission.burst import burst_window_s as burst_window
@@ -152,9 +154,23 @@ def h200_profile() -> EngineConfig:
         block_size=dep.block_size, num_gpu_blocks=row.blocks)
 
 
-#: The simulator's engine profiles by name (``make bench-autotune`` runs the suite on both).
+#: The committed ``cpu`` profile: this machine's tiny engine, fitted by ``python -m
+#: bench.calibrate --update`` from vLLM's per-step timing (the file says when and how).
+CPU_PROFILE_PATH = Path(__file__).resolve().parent / "cpu-profile.json"
+
+
+def cpu_profile(path: Path = CPU_PROFILE_PATH) -> EngineConfig:
+    """The engine model of the tiny Phi-3-vision on this machine's CPU, as
+    :mod:`bench.calibrate` fitted it (``path``: its ``cpu-profile.json``).
+    Raises FileNotFoundError / KeyError for a missing file or field."""
+    engine = json.loads(path.read_text())["engine"]
+    return EngineConfig(**{f.name: engine[f.name] for f in fields(EngineConfig)})
+
+
+#: The simulator's engine profiles by name (``make bench-autotune`` runs the suite on each).
 PROFILES: dict[str, Callable[[], EngineConfig]] = {"gpu-like": lambda: GPU_LIKE,
-                                                   "h200": h200_profile}
+                                                   "h200": h200_profile,
+                                                   "cpu": cpu_profile}
 
 
 @dataclass(frozen=True)

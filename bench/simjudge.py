@@ -45,8 +45,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench.sim import PROFILES, simulate
-from bench.trace import SUITE, suite
+from bench.sim import PROFILES, EngineConfig, cpu_profile, simulate
+from bench.trace import CPU_CAPACITY, cpu_suite, suite
 
 #: Traces that overload the engine (T2's bursts, T3 at 120 % of capacity, T6 at 2x), where
 #: the median over seeds must reach every fixed limit.
@@ -86,25 +86,34 @@ class Cell:
 
 
 @functools.lru_cache(maxsize=None)
-def _setup_and_traces(profile: str, seed: int):
+def _setup_and_traces(profile: str, seed: int, engine: EngineConfig | None = None):
     from bench.autotune import measure_capacity, static_limits, suite_setup
 
-    setup, num_crops = suite_setup(profile)
-    capacity = measure_capacity(setup, num_crops, seed)
-    return setup, static_limits(setup.engine.max_num_seqs), suite(capacity, seed)
+    setup, num_crops = suite_setup(profile, engine)
+    if profile == "cpu":
+        # The CPU suite (T1, T2, T5, T6 at CPU scale, with the CPU mixes' shapes): the traffic
+        # the real-engine witness replays, which checks this profile.
+        capacity = measure_capacity(setup, num_crops, seed, shapes=CPU_CAPACITY)
+        traces = cpu_suite(seed, capacity)
+    else:
+        traces = suite(measure_capacity(setup, num_crops, seed), seed)
+    return setup, static_limits(setup.engine.max_num_seqs), traces
 
 
 def run_cells(profile: str, seed: int, ablate: frozenset[str] = frozenset(),
-              arms: bool = True, traces: Sequence[str] = SUITE) -> list[Cell]:
+              arms: bool = True, traces: Sequence[str] | None = None,
+              engine: EngineConfig | None = None) -> list[Cell]:
     """Simulate the suite on ``profile`` with ``seed``: auto with the rules ``ablate`` off
     (:data:`serve.admission.rules.RULES`) and, when ``arms``, every fixed L and unlimited.
+    ``traces``: the names to run (default every trace of the profile's suite: the CPU suite
+    on ``cpu``); ``engine``: the profile's constants (default :data:`bench.sim.PROFILES`'s).
     Returns one :class:`Cell` per trace."""
     from bench.autotune import summarize
 
-    setup, limits, all_traces = _setup_and_traces(profile, seed)
+    setup, limits, all_traces = _setup_and_traces(profile, seed, engine)
     auto_setup = replace(setup, controller=replace(setup.controller, ablate=ablate))
     cells = []
-    for name in traces:
+    for name in traces if traces is not None else list(all_traces):
         trace = all_traces[name]
 
         def goodput(run, trace=trace) -> tuple[float, int]:
@@ -162,7 +171,7 @@ def run_jobs(fn, jobs: Sequence[tuple], workers: int, desc: str | None = None,
 
 
 def run_grid(jobs: Iterable[tuple], workers: int = 2, progress: bool = False) -> list[Cell]:
-    """Run :func:`run_cells` for each ``(profile, seed, ablate, arms, traces)`` job, in
+    """Run :func:`run_cells` for each ``(profile, seed, ablate, arms, traces, engine)`` job, in
     ``workers`` processes (1: in this one); the cells of every job, in job order.
     ``progress``: a bar on stderr of the (profile, seed) jobs done, with an ETA."""
     jobs = list(jobs)
@@ -269,11 +278,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--profiles", default=",".join(PROFILES))
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--cpu-profile", type=Path, help="the cpu profile's file (default: the "
+                   "committed bench/cpu-profile.json; make bench-autotune passes its fresh "
+                   "calibration)")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     args = p.parse_args(argv)
     profiles = [x for x in args.profiles.split(",") if x]
     t0 = time.perf_counter()
-    cells = run_grid(((pr, seed, frozenset(), True, SUITE) for pr in profiles
+    engines = {"cpu": cpu_profile(args.cpu_profile)} if args.cpu_profile else {}
+    cells = run_grid(((pr, seed, frozenset(), True, None, engines.get(pr)) for pr in profiles
                       for seed in range(args.seeds)), args.workers, progress=True)
     verdicts = judge(cells)
     print(format_verdicts(verdicts))

@@ -45,6 +45,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from bench import calibrate
+from bench.sim import cpu_profile
 from bench.stats import bootstrap_interval
 from bench.trace import CPU_CAPACITY, Capacity, Trace, cpu_suite
 
@@ -153,19 +155,26 @@ def verdict_line(good: Mapping[str, Mapping[str, int]]) -> str:
     return f"witness episodes={len(good)} {parts} result={result}"
 
 
-def combined_line(sim: Mapping, good: Mapping[str, Mapping[str, int]]) -> str:
+def combined_line(sim: Mapping, good: Mapping[str, Mapping[str, int]],
+                  calibrated: bool = False) -> str:
     """The line of ``make bench-autotune`` (issue 32): the simulator's part and verdict
-    (``sim``: ``bench/out/simjudge.json``'s ``head`` and ``passed``), the calibration
-    (``off``: the simulator's CPU profile is not built, so the simulator is not yet checked
-    against this engine) and the witness.
+    (``sim``: ``bench/out/simjudge.json``'s ``head`` and ``passed``), the calibration check
+    (:func:`bench.calibrate.check`: ``calibrated`` -> ``calib=ok``, else ``calib=off``: the
+    simulator's cpu profile does not predict this engine, so the simulator does not judge)
+    and the witness.
 
     ``result``: ``fail`` when the simulator or the witness fails; else ``unresolved`` when
     the witness's A/A control is out of its band or the calibration is off; else the
     witness's (``inconclusive`` or ``pass``)."""
     iv, cpu = judge(good)
     parts = " ".join(f"{k}=[{lo:.2f},{hi:.2f}]" for k, (_, lo, hi) in iv.items())
-    result = "fail" if not sim["passed"] or cpu == "fail" else "unresolved"
-    return f"{sim['head']} | calib=off | cpu {parts} result={result}"
+    if not sim["passed"] or cpu == "fail":
+        result = "fail"
+    elif cpu == "unresolved" or not calibrated:
+        result = "unresolved"
+    else:
+        result = cpu
+    return f"{sim['head']} | calib={'ok' if calibrated else 'off'} | cpu {parts} result={result}"
 
 
 def salt(arm: str, seed: int) -> str:
@@ -174,22 +183,28 @@ def salt(arm: str, seed: int) -> str:
     return hashlib.sha256(f"{seed}-{arm}".encode()).hexdigest()[:8]
 
 
-async def _drain(client, timeout_s: float = 120.0) -> None:
-    """Wait until nothing is in flight or queued at the gateway."""
+async def drain(base_url: str, timeout_s: float = 120.0) -> None:
+    """Wait until nothing is in flight or queued at the gateway of the server at ``base_url``
+    (``/admin/autotuner``). Raises TimeoutError after ``timeout_s`` seconds."""
+    import httpx
+
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = (await client.get("/admin/autotuner")).json()
-        if state["in_flight"] == 0 and state["pending"] == 0:
-            return
-        await asyncio.sleep(0.25)
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        while time.monotonic() < deadline:
+            state = (await client.get("/admin/autotuner")).json()
+            if state["in_flight"] == 0 and state["pending"] == 0:
+                return
+            await asyncio.sleep(0.25)
     raise TimeoutError("the engine did not drain")
 
 
 def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
-        slo, drain_s: float = 30.0) -> dict[str, dict[str, int]]:
+        slo, drain_s: float = 30.0) -> tuple[dict[str, dict[str, int]],
+                                             dict[str, dict[str, list[float]]]]:
     """Replay every episode on every arm against the server at ``base_url``; returns
-    ``{episode: {arm: good requests}}``. Prints one line per episode (stdout) and counts the
-    (episode, arm) replays on a progress bar (stderr)."""
+    ``({episode: {arm: good requests}}, {episode: {arm: TTFTs}})`` (TTFT: seconds, client
+    side, of the requests that got a first token). Prints one line per episode (stdout) and
+    counts the (episode, arm) replays on a progress bar (stderr)."""
     import httpx
 
     from bench.autotune import summarize
@@ -202,13 +217,14 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
     rng.shuffle(order)
     model = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
     good: dict[str, dict[str, int]] = {}
+    ttfts: dict[str, dict[str, list[float]]] = {}
     with progress_bar(len(order) * len(arms), "witness", "replay") as bar:
         for k, name in enumerate(order):
             bar.set_description(f"witness episode {k + 1}/{len(order)}")
             trace = eps[name]
             perm = list(arms)
             rng.shuffle(perm)
-            good[name] = {}
+            good[name], ttfts[name] = {}, {}
             for arm in perm:
                 bar.set_postfix_str(f"{name} {arm}")
                 bodies = build_bodies(trace, model, salt=salt(arm, seed))
@@ -218,15 +234,12 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
                 replay = asyncio.run(replay_http(trace, base_url, bodies, drain_s=drain_s))
                 s = summarize(arm, replay.results, trace, slo)
                 good[name][arm] = s.good
-
-                async def drain() -> None:
-                    async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
-                        await _drain(c)
-                asyncio.run(drain())
+                ttfts[name][arm] = [r.ttft_s for r in replay.results if r.ttft_s is not None]
+                asyncio.run(drain(base_url))
                 bar.update()
             say(f"{name:6} {len(trace.requests):4} requests  " + "  ".join(
                 f"{a} {good[name][a]}" for a in arms))
-    return good
+    return good, ttfts
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -242,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--url", help="a server already running with --bench-admin")
     p.add_argument("--sim", type=Path, help="bench.simjudge's JSON: end with make "
                    "bench-autotune's combined line")
+    p.add_argument("--profile", type=Path, help="the cpu profile to check (default: the "
+                   "committed bench/cpu-profile.json; make bench-autotune passes its fresh "
+                   "calibration)")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
@@ -268,16 +284,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                              args.out / "witness-server.log")
         url = server.base_url
     try:
-        good = run(url, eps, arms, args.seed, CPU_SLO)
+        good, ttfts = run(url, eps, arms, args.seed, CPU_SLO)
     finally:
         if server is not None:
             stop_process(server)
-    (args.out / "witness.json").write_text(json.dumps({"seed": args.seed, "good": good},
-                                                      indent=1))
+    (args.out / "witness.json").write_text(json.dumps(
+        {"seed": args.seed, "good": good, "ttfts": ttfts}, indent=1))
     print(f"({len(good)} episodes x {len(arms)} arms in {time.perf_counter() - t0:.0f} s)")
+    calibrated, rows = calibrate.check(eps, good, ttfts, cpu_profile(args.profile)
+                                       if args.profile else cpu_profile())
+    print(calibrate.format_check(calibrated, rows))
     print(verdict_line(good))
     if args.sim is not None:
-        print(combined_line(json.loads(args.sim.read_text()), good))
+        print(combined_line(json.loads(args.sim.read_text()), good, calibrated))
     return 0 if good else 2
 
 

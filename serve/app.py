@@ -18,6 +18,8 @@ Routes owned here:
 - ``GET /admin/usage``: usage per tenant and UTC day (``serve.accounting``).
 - ``POST /admin/bench/admission`` (only with ``--bench-admin``): set the admission mode
   live and reset the autotuner (benchmarks).
+- ``GET /admin/bench/steps`` (only with ``--bench-admin``): vLLM's timing of each engine step
+  since the last read (with vLLM's ``--enable-logging-iteration-details``; ``serve.steplog``).
 
 With ``--allowed-origins``, CORS is answered in front of everything, auth included
 (``serve.cors``): a browser's preflight is never a 401.
@@ -66,6 +68,7 @@ from serve.logs import AccessLog
 from serve.metrics import Metrics
 from serve.routes import CLOSED, OPTIONAL, RouteTable
 from serve.settings import Settings
+from serve.steplog import StepLog, step_logger_factory
 from serve.streamguard import StreamGuardMiddleware
 from serve.tracing import NO_SPANS, Tracing
 
@@ -128,6 +131,8 @@ class Gateway:
         #: vLLM is imported only once the engine environment is set), or the test's.
         self._scrape_registry = registry
         self.admission = Admission.from_settings(settings, self.metrics)
+        #: The engine steps' timing for the benchmarks' calibration (``--bench-admin`` only).
+        self.steps = StepLog() if settings.bench_admin else None
         self.intake = Intake.from_settings(settings)
         self.metrics.image_cache.cache = self.intake.cache
         #: Tenant limits and usage (``serve.accounting``, ``serve.quota``, ``serve.usage``).
@@ -148,7 +153,8 @@ class Gateway:
                 Route("/limits", self.limits, methods=["GET"]),
                 Route("/admin/routes", self.route_table, methods=["GET"]),
                 Route("/admin/usage", self.accounting.usage_page, methods=["GET"]),
-                *([Route("/admin/bench/admission", self.bench_admission, methods=["POST"])]
+                *([Route("/admin/bench/admission", self.bench_admission, methods=["POST"]),
+                   Route("/admin/bench/steps", self.bench_steps, methods=["GET"])]
                   if settings.bench_admin else []),
             ],
             lifespan=self._lifespan,
@@ -334,6 +340,12 @@ class Gateway:
         return JSONResponse({**self.admission.loop.state(),
                              "kv_capacity": self.admission.kv_capacity})
 
+    async def bench_steps(self, request: Request) -> Response:
+        """``--bench-admin`` only: the engine steps' details since the last read
+        (:meth:`serve.steplog.StepLog.drain`); empty unless vLLM runs with
+        ``--enable-logging-iteration-details``."""
+        return JSONResponse(self.steps.drain())
+
     def request_layers(self) -> list[Callable[[ASGIApp], ASGIApp]]:
         """The layers every request to vLLM's app passes, outermost first (CORS, auth and the
         route table come before: :meth:`__call__`, :meth:`_serve`). Each wraps an ASGI app;
@@ -425,8 +437,9 @@ class Gateway:
             workers = asyncio.create_task(asyncio.to_thread(self.intake.workers.start),
                                           name="image-workers")
         try:
-            engine = await engine_mod.start_engine(self.settings,
-                                                   stat_loggers=self.admission.stat_loggers())
+            stat_loggers = self.admission.stat_loggers() + (
+                [step_logger_factory(self.steps)] if self.steps is not None else [])
+            engine = await engine_mod.start_engine(self.settings, stat_loggers=stat_loggers)
             self._exit_stack.callback(engine.shutdown)
             self.state.engine = engine
             app = await engine_mod.build_openai_app(engine, self.settings)

@@ -124,10 +124,13 @@ def gateway(tmp_path_factory):
 def verbose_server():
     """A server with the settings that change what other tests see, shared by their tests:
     JSON logs holding prompts (``--enable-log-requests``), tools handed to vLLM (``--tools
-    pass``), images prepared in worker processes (``--image-workers 2``) and cut Responses
-    streams ending with OpenAI's ``response.incomplete`` event."""
+    pass``), images prepared in worker processes (``--image-workers 2``), cut Responses
+    streams ending with OpenAI's ``response.incomplete`` event, and the benchmarks' endpoints
+    with vLLM's per-step details (``--bench-admin --enable-logging-iteration-details``: a
+    log line per engine step)."""
     srv = start_server([*JSON_LOGS, "--enable-log-requests", "--tools", "pass",
-                        "--image-workers", "2", "--responses-incomplete-event", "incomplete"],
+                        "--image-workers", "2", "--responses-incomplete-event", "incomplete",
+                        "--bench-admin", "--enable-logging-iteration-details"],
                        name="verbose-server")
     yield srv
     stop_server(srv)

@@ -119,3 +119,17 @@ def test_the_ablation_table_keeps_exactly_the_rules_in_force():
     assert removed and not removed & set(RULES)
     assert all(table[r][0] < 100 * ablate.EARN for r in removed)
     assert all(table[r][0] >= 100 * ablate.EARN or r == "burst_no_shed" for r in kept)
+
+
+def test_the_cpu_profile_runs_the_cpu_suite_with_the_witness_slo():
+    from bench.autotune import CPU_SLO
+    from bench.sim import cpu_profile
+
+    cells = simjudge.run_cells("cpu", 0, arms=False)
+    assert [c.trace for c in cells] == ["T1", "T2", "T5", "T6"]  # the witness's traffic
+    setup, limits, _ = simjudge._setup_and_traces("cpu", 0)
+    assert setup.slo == CPU_SLO and limits[-1] == setup.engine.max_num_seqs == 32
+    assert setup.engine.step_base_s == cpu_profile().step_base_s
+    # A profile passed in (a fresh calibration) replaces the committed one.
+    fast = dataclasses.replace(cpu_profile(), step_base_s=0.001)
+    assert simjudge._setup_and_traces("cpu", 0, fast)[0].engine.step_base_s == 0.001

@@ -101,5 +101,7 @@ def test_the_combined_line_fails_with_the_simulator_and_is_never_pass_uncalibrat
     assert line.startswith("autotune sim seeds=10 worst auto/L=0.970 auto/unlimited=1.000 "
                            "| calib=off | cpu aa=[")
     assert line.endswith("result=unresolved")  # no calibrated profile: no pass
+    calibrated = witness.combined_line(sim, good, calibrated=True)
+    assert "| calib=ok |" in calibrated and calibrated.endswith("result=pass")
     sim["passed"] = False
-    assert witness.combined_line(sim, good).endswith("result=fail")
+    assert witness.combined_line(sim, good, calibrated=True).endswith("result=fail")
