@@ -57,7 +57,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serve import engine as engine_mod
 from serve import http_metrics
 from serve.accounting import Accounting
-from serve.admission.engine_stats import stalled_s
+from serve.admission.engine_stats import stalled_s, stat_logger_factory
 from serve.admission.service import Admission
 from serve.asgi import REQUEST_STATE_KEY, BodyLimitMiddleware, response_channel
 from serve.auth import Auth
@@ -68,7 +68,7 @@ from serve.logs import AccessLog
 from serve.metrics import Metrics
 from serve.routes import CLOSED, OPTIONAL, RouteTable
 from serve.settings import Settings
-from serve.steplog import StepLog, step_logger_factory
+from serve.steplog import StepLog
 from serve.streamguard import StreamGuardMiddleware
 from serve.tracing import NO_SPANS, Tracing
 
@@ -438,7 +438,7 @@ class Gateway:
                                           name="image-workers")
         try:
             stat_loggers = self.admission.stat_loggers() + (
-                [step_logger_factory(self.steps)] if self.steps is not None else [])
+                [stat_logger_factory(self.steps)] if self.steps is not None else [])
             engine = await engine_mod.start_engine(self.settings, stat_loggers=stat_loggers)
             self._exit_stack.callback(engine.shutdown)
             self.state.engine = engine

@@ -1,15 +1,16 @@
-"""vLLM's own timing of each engine step, kept for the benchmarks' engine calibration.
+"""What vLLM reports of each engine step, kept for the benchmarks' engine calibration.
 
 vLLM 0.32 started with ``--enable-logging-iteration-details`` attaches to each engine step's
 ``SchedulerStats`` a ``SchedulerIterationDetails``: the step's prefill ("context") requests
 and tokens, decode ("generation") requests and tokens, the image embeddings it encoded, and
-``elapsed_ms``, the engine core's time from submitting the batch to the model to its sampled
-tokens (``vllm/v1/engine/core.py``, ``capture_iteration_details``). A :class:`StepLog` keeps
-those records, stamped with this process's clock when they arrive, for ``GET
-/admin/bench/steps`` (``--bench-admin`` only), which ``python -m bench.calibrate`` reads to fit
-the simulator's step-time constants. Without vLLM's flag the stats carry no details and the log
-stays empty; without ``--bench-admin`` no log is installed at all (nothing runs per step).
-"""
+``elapsed_ms``, the engine core's time from the model's submitted batch to its sampled tokens
+(``vllm/v1/engine/core.py``, ``capture_iteration_details``). A :class:`StepLog` keeps those
+records, stamped with this process's clock when they arrive, for ``GET /admin/bench/steps``
+(``--bench-admin`` only; a stat logger of
+:func:`serve.admission.engine_stats.stat_logger_factory` feeds it), which ``python -m
+bench.calibrate`` reads to fit the simulator's step-time constants. Without vLLM's flag the
+stats carry no details and the log stays empty; without ``--bench-admin`` no log is installed
+at all (nothing runs per step)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ class StepLog:
         self._steps: collections.deque[dict] = collections.deque(maxlen=max_steps)
         self.dropped = 0
 
-    def record(self, scheduler_stats) -> None:
+    def record(self, scheduler_stats, iteration_stats=None) -> None:
         """Keep one step's details (vLLM ``SchedulerStats`` or None; a step without
-        details, or a data-parallel dummy step, is skipped)."""
+        details, or a data-parallel dummy step, is skipped). ``iteration_stats`` is not
+        read (the stat loggers' signature: :func:`serve.admission.engine_stats.
+        stat_logger_factory` feeds this log)."""
         details = getattr(scheduler_stats, "iteration_details", None)
         if details is None or details.is_dummy:
             return
@@ -66,25 +69,3 @@ class StepLog:
         self._steps.clear()
         self.dropped = 0
         return {"steps": steps, "dropped": dropped}
-
-
-def step_logger_factory(log: StepLog):
-    """A vLLM ``StatLoggerFactory`` whose loggers write each step's details into ``log``.
-
-    Imports vLLM, so call it only after :func:`serve.engine.apply_engine_env`.
-    """
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class StepStatLogger(StatLoggerBase):
-        def __init__(self, vllm_config, engine_index: int = 0) -> None:
-            self.log = log
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
-                   engine_idx: int = 0) -> None:
-            if scheduler_stats is not None:
-                self.log.record(scheduler_stats)
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return StepStatLogger

@@ -246,22 +246,24 @@ class EngineStatsFeed:
             self.tpot.extend(tpots)  # one stamp per step (an empty batch adds nothing)
 
 
-def stat_logger_factory(feed: EngineStatsFeed):
-    """A vLLM ``StatLoggerFactory`` whose loggers write into ``feed``.
+def stat_logger_factory(sink):
+    """A vLLM ``StatLoggerFactory`` whose loggers pass each engine step's stats to
+    ``sink.record(scheduler_stats, iteration_stats)`` (an :class:`EngineStatsFeed`, or the
+    benchmarks' :class:`serve.steplog.StepLog`).
 
     Imports vLLM, so call it only after :func:`serve.engine.apply_engine_env`.
     """
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    class FeedStatLogger(StatLoggerBase):
+    class SinkStatLogger(StatLoggerBase):
         def __init__(self, vllm_config, engine_index: int = 0) -> None:
-            self.feed = feed
+            self.sink = sink
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
                    engine_idx: int = 0) -> None:
-            self.feed.record(scheduler_stats, iteration_stats)
+            self.sink.record(scheduler_stats, iteration_stats)
 
         def log_engine_initialized(self) -> None:
             pass
 
-    return FeedStatLogger
+    return SinkStatLogger
