@@ -1,6 +1,6 @@
 """Ablation of the autotuner's and the limiter's rules on the simulator, over seeds.
 
-``python -m bench.ablate [--seeds 10] [--profiles gpu-like,h200] [--rules a,b] [--workers 2]``
+``python -m bench.ablate [--seeds 10] [--profiles gpu-like,h200,cpu] [--rules a,b] [--workers 2]``
 
 For each rule of :data:`serve.admission.rules.RULES` (or those given), the suite
 (:mod:`bench.simjudge`: every trace, each profile, seeds ``0..N-1``) runs with auto and that

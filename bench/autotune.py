@@ -382,10 +382,13 @@ class SuiteReport:
 def suite_setup(profile: str, engine: EngineConfig | None = None) -> tuple[Setup, int]:
     """The setup a server with today's settings runs on ``profile``, and its num_crops: a GPU
     server's defaults on ``gpu-like`` and ``h200``; on ``cpu`` a CPU server's defaults with
-    the CPU benchmarks' SLO (:data:`CPU_SLO`, what the real-engine witness serves).
+    the CPU benchmarks' SLO and autotuner time constants (:data:`CPU_SLO`,
+    :data:`CPU_AUTO_ARGS`: what the real-engine witness's server runs).
     ``engine``: the profile's constants (default :data:`bench.sim.PROFILES`'s)."""
     if profile == "cpu":
-        settings = Settings(device="cpu", slo_ttft_s=CPU_SLO_TTFT_S, slo_itl_s=CPU_SLO_ITL_S)
+        settings = Settings(device="cpu", slo_ttft_s=CPU_SLO_TTFT_S, slo_itl_s=CPU_SLO_ITL_S,
+                            autotune_interval_s=CPU_AUTO_INTERVAL_S,
+                            autotune_window_s=CPU_AUTO_WINDOW_S)
     else:
         settings = Settings(device="cuda")
     setup = Setup.from_settings(settings, engine if engine is not None else PROFILES[profile]())
@@ -492,7 +495,10 @@ CPU_SLO = SloTargets(CPU_SLO_TTFT_S, CPU_SLO_ITL_S)
 #: ``auto``'s extra flags: the shipped controller with its time constants halved (sample
 #: every 1 s instead of 2, latency window 5 s instead of 10: the same ratio), because the CPU
 #: trace's phases last 25 s where the simulator's last 180 s.
-CPU_AUTO_ARGS = ("--autotune-interval-s", "1", "--autotune-window-s", "5")
+CPU_AUTO_INTERVAL_S = 1.0
+CPU_AUTO_WINDOW_S = 5.0
+CPU_AUTO_ARGS = ("--autotune-interval-s", f"{CPU_AUTO_INTERVAL_S:g}",
+                 "--autotune-window-s", f"{CPU_AUTO_WINDOW_S:g}")
 
 
 #: Cores of other processes' CPU time during a replay above which a CPU run is "noisy". On

@@ -1,12 +1,15 @@
 """The simulator as the autotuner's judge: every trace, every profile, seeds 0-9.
 
-``python -m bench.simjudge [--seeds 10] [--profiles gpu-like,h200] [--workers 2]``
+``python -m bench.simjudge [--seeds 10] [--profiles gpu-like,h200,cpu] [--workers 2]
+[--cpu-profile FILE]``
 
 For each engine profile (:data:`bench.sim.PROFILES`) and seed, the suite's traces
 (:func:`bench.trace.suite`, seeded; the capacity they are fractions of measured on that
-profile with the same seed) run through :mod:`bench.sim` once with the autotuner (``auto``),
-once per fixed limit L (every power of two up to the ceiling) and once ``unlimited`` (no
-gateway limit: plain vLLM's admission). Goodput is DistServe's: requests meeting both the
+profile with the same seed; on ``cpu``, the CPU suite the real-engine witness replays,
+:func:`bench.trace.cpu_suite`, with the CPU benchmarks' SLO and autotuner time constants)
+run through :mod:`bench.sim` once with the autotuner (``auto``), once per fixed limit L
+(every power of two up to the ceiling) and once ``unlimited`` (no gateway limit: plain
+vLLM's admission). Goodput is DistServe's: requests meeting both the
 TTFT and the ITL target, per second of trace. The simulator is deterministic, so there is no
 noise to average: each (profile, trace, seed) is one exact comparison, and the seeds vary the
 arrivals and sizes the autotuner meets.
@@ -26,10 +29,10 @@ progress bar on stderr counts the (profile, seed) jobs done, with an ETA. The la
     simjudge seeds=N worst auto/L=X auto/unlimited=Y result=pass|fail
     autotune sim seeds=N worst auto/L=X auto/unlimited=Y | calib=off | cpu aa=n/a ... result=R
 
-The second is the whole autotuner benchmark's line (issue 32); its real-engine half (the
-calibrated CPU profile and the paired episodes on the real engine) is not built, so it reads
-``calib=off`` and ``n/a``, and ``result`` is ``fail`` when the simulator fails and
-``unresolved`` otherwise.
+The second is the simulator's half of the whole autotuner benchmark's line (issue 32), for a
+run of the simulator alone: ``calib=off`` and ``n/a`` (the calibration check and the paired
+episodes are :mod:`bench.witness`'s, which prints the whole line), and ``result`` is ``fail``
+when the simulator fails and ``unresolved`` otherwise.
 """
 
 from __future__ import annotations

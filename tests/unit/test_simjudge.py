@@ -122,13 +122,15 @@ def test_the_ablation_table_keeps_exactly_the_rules_in_force():
 
 
 def test_the_cpu_profile_runs_the_cpu_suite_with_the_witness_slo():
-    from bench.autotune import CPU_SLO
+    from bench.autotune import CPU_AUTO_INTERVAL_S, CPU_AUTO_WINDOW_S, CPU_SLO
     from bench.sim import cpu_profile
 
     cells = simjudge.run_cells("cpu", 0, arms=False)
     assert [c.trace for c in cells] == ["T1", "T2", "T5", "T6"]  # the witness's traffic
     setup, limits, _ = simjudge._setup_and_traces("cpu", 0)
     assert setup.slo == CPU_SLO and limits[-1] == setup.engine.max_num_seqs == 32
+    # the witness's server runs the autotuner with these time constants
+    assert (setup.interval_s, setup.window_s) == (CPU_AUTO_INTERVAL_S, CPU_AUTO_WINDOW_S)
     assert setup.engine.step_base_s == cpu_profile().step_base_s
     # A profile passed in (a fresh calibration) replaces the committed one.
     fast = dataclasses.replace(cpu_profile(), step_base_s=0.001)
