@@ -62,7 +62,7 @@ help:
 	@echo "make lint   - ruff (configured in pyproject.toml) over the whole tree"
 	@echo "make bench-layers - our layers' instructions per request and per token under cachegrind (~30 s); fails past +2 % of bench/layers-baseline.json"
 	@echo "make bench  - ours vs raw vLLM vs raw vLLM (A/A), interleaved blocks (~15 min); one verdict line"
-	@echo "make bench-autotune - the autotuner vs every fixed limit and plain vLLM: simulator, seeds 0-9, then the real engine (~24 min)"
+	@echo "make bench-autotune - the autotuner vs every fixed limit and plain vLLM: the real engine in paired episodes (they fit and check the simulator's cpu profile), then the simulator, seeds 0-9 (~21 min)"
 	@echo "make bench-fairness - tenants on the real tiny engine: a flood's goodput vs one tenant's (A/A control), the 3:1 weighted split (~14 min)"
 	@echo "make serve  - serve the real $(notdir $(REAL_MODEL)) from WEIGHTS=$(WEIGHTS)"
 
@@ -164,14 +164,14 @@ bench: install model
 bench-layers: install system-deps
 	$(PY) -m bench.layers_gate $(BENCH_ARGS)
 
-# Goodput of the max_num_seqs autotuner vs every static limit and no limit: the simulator's
-# cpu profile fitted to this machine's engine (~3 min), the simulator (three profiles, seeds
-# 0-9; ~8 min), then the real tiny engine in paired episodes, which also checks the cpu
-# profile (~12 min, alone on the machine); one line at the end (bench/README.md).
+# Goodput of the max_num_seqs autotuner vs every static limit and no limit: the real tiny
+# engine in paired episodes, whose engine steps fit the simulator's cpu profile and check it
+# (~14 min, alone on the machine), then the simulator (three profiles, seeds 0-9; ~7 min);
+# one line at the end (bench/README.md).
 bench-autotune: install model
-	$(PY) -m bench.calibrate --out bench/out
+	$(PY) -m bench.witness --out bench/out $(BENCH_ARGS)
 	$(PY) -m bench.simjudge --out bench/out --cpu-profile bench/out/cpu-profile.json
-	$(PY) -m bench.witness --out bench/out --sim bench/out/simjudge.json --profile bench/out/cpu-profile.json $(BENCH_ARGS)
+	$(PY) -m bench.witness --from bench/out/witness.json --sim bench/out/simjudge.json
 
 # Fair admission between tenants on the real tiny engine: a flood's total goodput against one
 # tenant's, an A/A control, the 3:1 weighted split, in rounds (~14 min, alone on the machine);

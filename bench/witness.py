@@ -1,10 +1,13 @@
 """The real engine as the autotuner's witness: paired episodes on one warm server.
 
 ``python -m bench.witness [--seed 0] [--episodes T2/0,T6/0,...] [--arms auto,L8,L16,off,aa]
-[--sim bench/out/simjudge.json]`` (~12 min for all 10 episodes and 5 arms here)
+[--sim bench/out/simjudge.json] [--profile FILE] [--from witness.json]`` (~14 min for all 10
+episodes and 5 arms here)
 
-One ``python -m serve`` on the tiny model (``--bench-admin``, the CPU suite's SLO and time
-constants) stays up for the whole run. The CPU suite (:func:`bench.trace.cpu_suite`) is cut
+One ``python -m serve`` on the tiny model (``--bench-admin``, vLLM's
+``--enable-logging-iteration-details``, the CPU suite's SLO and time constants) stays up for
+the whole run; after the replays the simulator's cpu profile is fitted to the engine steps it
+logged and checked against the fixed-limit arms (:func:`calibration`). The CPU suite (:func:`bench.trace.cpu_suite`) is cut
 into short independent **episodes** (:func:`episodes`): each of T2's bursts, each of T5's
 phases, 10-s windows of T6 (chat at 2x capacity) and of T1 (60 %). Before each arm of an
 episode the switch (``POST /admin/bench/admission``) sets the arm's admission mode and resets
@@ -200,11 +203,13 @@ async def drain(base_url: str, timeout_s: float = 120.0) -> None:
 
 def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
         slo, drain_s: float = 30.0) -> tuple[dict[str, dict[str, int]],
-                                             dict[str, dict[str, list[float]]]]:
+                                             dict[str, dict[str, list[float]]], list[dict]]:
     """Replay every episode on every arm against the server at ``base_url``; returns
-    ``({episode: {arm: good requests}}, {episode: {arm: TTFTs}})`` (TTFT: seconds, client
-    side, of the requests that got a first token). Prints one line per episode (stdout) and
-    counts the (episode, arm) replays on a progress bar (stderr)."""
+    ``({episode: {arm: good requests}}, {episode: {arm: TTFTs}}, steps)`` (TTFT: seconds,
+    client side, of the requests that got a first token; steps: the engine steps the server
+    logged, :mod:`serve.steplog`, empty without vLLM's ``--enable-logging-iteration-details``).
+    Prints one line per episode (stdout) and counts the (episode, arm) replays on a progress
+    bar (stderr)."""
     import httpx
 
     from bench.autotune import summarize
@@ -218,6 +223,8 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
     model = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
     good: dict[str, dict[str, int]] = {}
     ttfts: dict[str, dict[str, list[float]]] = {}
+    steps: list[dict] = []
+    httpx.get(f"{base_url}/admin/bench/steps", timeout=30)  # only the replays' steps
     with progress_bar(len(order) * len(arms), "witness", "replay") as bar:
         for k, name in enumerate(order):
             bar.set_description(f"witness episode {k + 1}/{len(order)}")
@@ -236,30 +243,59 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
                 good[name][arm] = s.good
                 ttfts[name][arm] = [r.ttft_s for r in replay.results if r.ttft_s is not None]
                 asyncio.run(drain(base_url))
+                steps += httpx.get(f"{base_url}/admin/bench/steps", timeout=60).json()["steps"]
                 bar.update()
             say(f"{name:6} {len(trace.requests):4} requests  " + "  ".join(
                 f"{a} {good[name][a]}" for a in arms))
-    return good, ttfts
+    return good, ttfts, steps
+
+
+def calibration(eps: Mapping[str, Trace], good, ttfts, steps: Sequence[dict], kv: Mapping | None,
+                profile: Path | None, meta: Mapping) -> dict:
+    """The cpu profile of this run and its check (:func:`bench.calibrate.check`): the profile
+    in ``profile`` when given, else fitted (:func:`bench.calibrate.fit_steps`) to the run's
+    own engine steps (``steps``, ``kv``: the server's KV cache), else the committed one.
+    Returns ``{"ok", "table", "source", "profile"}`` (``profile``: the
+    ``cpu-profile.json`` record when fitted here, else None)."""
+    record = None
+    if profile is not None:
+        engine, source = cpu_profile(profile), str(profile)
+    elif steps and kv:
+        fit = calibrate.fit_steps(steps)
+        engine = fit.engine(kv["num_gpu_blocks"], kv["block_size"])
+        record = calibrate.profile_record(fit, engine, meta)
+        source = "fitted to this run's engine steps: " + calibrate.summary_line(fit, engine)
+    else:
+        engine, source = cpu_profile(), "the committed bench/cpu-profile.json"
+    ok, rows = calibrate.check(eps, good, ttfts, engine)
+    return {"ok": ok, "table": calibrate.format_check(ok, rows), "source": source,
+            "profile": record}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI (module docstring). Writes ``witness.json`` to ``--out``; 0 unless no episode
-    ran."""
+    """The CLI (module docstring). Writes ``witness.json`` (and, fitted from the run,
+    ``cpu-profile.json``) to ``--out``; 0 unless no episode ran."""
     from bench.autotune import CPU_AUTO_ARGS, CPU_SLO
-    from bench.process import ensure_tiny_model, start_serve, stop_process
+    from bench.process import ensure_tiny_model, git_state, start_serve, stop_process
 
     p = argparse.ArgumentParser(prog="python -m bench.witness", description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--episodes", default="", help="comma-separated names (default: all)")
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--url", help="a server already running with --bench-admin")
+    p.add_argument("--url", help="a server already running with "
+                   + " ".join(calibrate.SERVER_ARGS))
     p.add_argument("--sim", type=Path, help="bench.simjudge's JSON: end with make "
                    "bench-autotune's combined line")
-    p.add_argument("--profile", type=Path, help="the cpu profile to check (default: the "
-                   "committed bench/cpu-profile.json; make bench-autotune passes its fresh "
-                   "calibration)")
+    p.add_argument("--profile", type=Path, help="check this cpu profile instead of fitting "
+                   "one to the run's engine steps")
+    p.add_argument("--from", dest="source", type=Path, help="an earlier run's witness.json: "
+                   "print its verdicts (with --sim, the combined line) without replaying")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     args = p.parse_args(argv)
+    if args.source is not None:
+        done = json.loads(args.source.read_text())
+        report(done["good"], done["calibration"], args.sim)
+        return 0
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - ARMS.keys())
     if unknown:
@@ -279,25 +315,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_tiny_model()
         print(f"witness: starting python -m serve on the tiny model (log "
               f"{args.out / 'witness-server.log'}) ...", file=sys.stderr, flush=True)
-        server = start_serve(["--bench-admin", "--slo-ttft-s", f"{CPU_SLO.ttft_s:g}",
+        server = start_serve([*calibrate.SERVER_ARGS, "--slo-ttft-s", f"{CPU_SLO.ttft_s:g}",
                               "--slo-itl-s", f"{CPU_SLO.itl_s:g}", *CPU_AUTO_ARGS],
                              args.out / "witness-server.log")
         url = server.base_url
     try:
-        good, ttfts = run(url, eps, arms, args.seed, CPU_SLO)
+        good, ttfts, steps = run(url, eps, arms, args.seed, CPU_SLO)
+        import httpx
+
+        kv = httpx.get(f"{url}/admin/autotuner", timeout=30).json()["kv_capacity"]
     finally:
         if server is not None:
             stop_process(server)
-    (args.out / "witness.json").write_text(json.dumps(
-        {"seed": args.seed, "good": good, "ttfts": ttfts}, indent=1))
     print(f"({len(good)} episodes x {len(arms)} arms in {time.perf_counter() - t0:.0f} s)")
-    calibrated, rows = calibrate.check(eps, good, ttfts, cpu_profile(args.profile)
-                                       if args.profile else cpu_profile())
-    print(calibrate.format_check(calibrated, rows))
-    print(verdict_line(good))
-    if args.sim is not None:
-        print(combined_line(json.loads(args.sim.read_text()), good, calibrated))
+    commit, dirty = git_state()
+    calib = calibration(eps, good, ttfts, steps, kv, args.profile, {
+        "commit": commit, "dirty": dirty, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "seed": args.seed, "traces": "the witness's episodes, every arm"})
+    if calib["profile"] is not None:
+        (args.out / "cpu-profile.json").write_text(json.dumps(calib["profile"], indent=1) + "\n")
+    (args.out / "witness.json").write_text(json.dumps(
+        {"seed": args.seed, "good": good, "ttfts": ttfts, "calibration": calib}, indent=1))
+    report(good, calib, args.sim)
     return 0 if good else 2
+
+
+def report(good: Mapping[str, Mapping[str, int]], calib: Mapping, sim: Path | None) -> None:
+    """Print the calibration check, the witness's line and, with ``sim`` (bench.simjudge's
+    JSON), the combined line last."""
+    print(f"cpu profile: {calib['source']}")
+    print(calib["table"])
+    print(verdict_line(good))
+    if sim is not None:
+        print(combined_line(json.loads(sim.read_text()), good, calib["ok"]))
 
 
 if __name__ == "__main__":

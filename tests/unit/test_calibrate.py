@@ -47,9 +47,9 @@ def test_the_step_log_keeps_vllms_details_and_a_read_drains_it():
 
 
 def synthetic_steps(engine: EngineConfig, n: int = 600, seed: int = 0,
-                    outliers: int = 0) -> list[dict]:
-    """Steps of a busy engine whose cycle follows ``engine``'s model with 5 % noise; the
-    ``outliers`` steps wait 1 s longer (an image still being decoded in front)."""
+                    outliers: int = 0, noise: float = 0.05) -> list[dict]:
+    """Steps of a busy engine whose cycle follows ``engine``'s model with ``noise`` (a
+    share); the ``outliers`` steps wait 1 s longer (an image still being decoded in front)."""
     rng = random.Random(seed)
     t, steps = 0.0, []
     for i in range(n):
@@ -59,7 +59,7 @@ def synthetic_steps(engine: EngineConfig, n: int = 600, seed: int = 0,
         enc = 313 * (prefill_reqs and rng.random() < 0.3)
         dt = (engine.step_base_s + engine.step_per_seq_s * batch
               + engine.step_per_prefill_token_s * tokens + engine.step_per_image_token_s * enc)
-        t += dt * rng.uniform(0.95, 1.05) + (1.0 if i < outliers else 0.0)
+        t += dt * rng.uniform(1 - noise, 1 + noise) + (1.0 if i < outliers else 0.0)
         decode = batch - prefill_reqs
         steps.append({"t_s": t, "prefill_requests": prefill_reqs, "prefill_tokens": tokens,
                       "decode_requests": decode, "decode_tokens": decode,

@@ -4,6 +4,7 @@ a real server in ``python -m bench.witness``)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -105,3 +106,26 @@ def test_the_combined_line_fails_with_the_simulator_and_is_never_pass_uncalibrat
     assert "| calib=ok |" in calibrated and calibrated.endswith("result=pass")
     sim["passed"] = False
     assert witness.combined_line(sim, good, calibrated=True).endswith("result=fail")
+
+
+def test_the_run_checks_a_cpu_profile_fitted_to_its_own_engine_steps(tmp_path, capsys):
+    from bench.sim import CPU_PROFILE_PATH
+    from tests.unit.test_calibrate import TRUE, measured, synthetic_steps
+
+    eps = {k: v for k, v in witness.episodes(0).items() if k in ("T1/0", "T6/0")}
+    good, ttfts = measured(eps, TRUE)
+    kv = {"num_gpu_blocks": 1024, "block_size": 128}
+    steps = synthetic_steps(TRUE, noise=0.0)  # an engine the model describes exactly
+    calib = witness.calibration(eps, good, ttfts, steps, kv, None, {"seed": 0})
+    assert calib["ok"] and calib["source"].startswith("fitted to this run's engine steps")
+    assert calib["profile"]["engine"]["num_gpu_blocks"] == 1024
+    # a profile given replaces the fit; without steps, the committed profile is checked
+    given = witness.calibration(eps, good, ttfts, steps, kv, CPU_PROFILE_PATH, {})
+    assert given["source"] == str(CPU_PROFILE_PATH) and given["profile"] is None
+    assert witness.calibration(eps, good, ttfts, [], None, None, {})["source"].startswith(
+        "the committed")
+    # --from prints an earlier run's verdicts without replaying
+    (tmp_path / "w.json").write_text(json.dumps({"good": good, "calibration": calib}))
+    assert witness.main(["--from", str(tmp_path / "w.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "calib=ok" in out[-2] and out[-1].startswith("witness episodes=2 ")
