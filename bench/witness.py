@@ -8,8 +8,8 @@ One ``python -m serve`` on the tiny model (``--bench-admin``, vLLM's
 ``--enable-logging-iteration-details``, the CPU suite's SLO and time constants) stays up for
 the whole run; after the replays the simulator's cpu profile is fitted to the engine steps it
 logged and checked against the fixed-limit arms (:func:`calibration`). The CPU suite
-(:func:`bench.trace.cpu_suite`) is cut into short independent **episodes** (:func:`episodes`): each of T2's bursts, each of T5's
-phases, 10-s windows of T6 (chat at 2x capacity) and of T1 (60 %). Before each arm of an
+(:func:`bench.trace.cpu_suite`) is cut into short independent **episodes**
+(:func:`episodes`): each of T2's bursts, each of T5's phases, 10-s windows of T6 (chat at 2x capacity) and of T1 (60 %). Before each arm of an
 episode the switch (``POST /admin/bench/admission``) sets the arm's admission mode and resets
 the autotuner to its boot state, and the engine is drained (nothing in flight or queued).
 Arms: ``auto``, ``L8`` and ``L16`` (fixed limits), ``off`` (no gateway limit: what plain
