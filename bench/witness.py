@@ -8,16 +8,16 @@ One ``python -m serve`` on the tiny model (``--bench-admin``, vLLM's
 ``--enable-logging-iteration-details``, the CPU suite's SLO and time constants) stays up for
 the whole run; after the replays the simulator's cpu profile is fitted to the engine steps it
 logged and checked against the fixed-limit arms (:func:`calibration`). The CPU suite
-(:func:`bench.trace.cpu_suite`) is cut into short independent **episodes**
-(:func:`episodes`): each of T2's bursts, each of T5's phases, 10-s windows of T6 (chat at 2x capacity) and of T1 (60 %). Before each arm of an
-episode the switch (``POST /admin/bench/admission``) sets the arm's admission mode and resets
-the autotuner to its boot state, and the engine is drained (nothing in flight or queued).
-Arms: ``auto``, ``L8`` and ``L16`` (fixed limits), ``off`` (no gateway limit: what plain
-vLLM admits) and ``aa`` (L16 again: the A/A control). Every arm replays the same seeded
-arrivals, shapes, words and photo crops (common random numbers); a salt word at the start of
-each text and a salt pixel in each crop make each arm's content its own, so no arm hits
-another's prefix or image cache while every arm does the same decode and prefill work. Episodes run
-in a random order, the arms in a fresh random permutation per episode.
+(:func:`bench.trace.cpu_suite`) is cut into short independent **episodes** (:func:`episodes`):
+each of T2's bursts, each of T5's phases, 10-s windows of T6 (chat at 2x capacity) and of T1
+(60 %). Before each arm of an episode the switch (``POST /admin/bench/admission``) sets the
+arm's admission mode and resets the autotuner to its boot state, and the engine is drained
+(nothing in flight or queued). Arms: ``auto``, ``L8`` and ``L16`` (fixed limits), ``off`` (no
+gateway limit: what plain vLLM admits) and ``aa`` (L16 again: the A/A control). Every arm
+replays the same seeded arrivals, shapes, words and photo crops (common random numbers); a salt
+word at the start of each text and a salt pixel in each crop make each arm's content its own,
+so no arm hits another's prefix or image cache while every arm does the same decode and prefill
+work. Episodes run in a random order, the arms in a fresh random permutation per episode.
 
 Goodput is DistServe's, counted client-side: good requests (TTFT, queue wait included, and
 mean ITL within the targets) per episode. The statistic is the paired log-ratio per episode
