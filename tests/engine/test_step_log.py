@@ -5,7 +5,11 @@ in each step and when."""
 
 from __future__ import annotations
 
+import io
+import os
+
 import httpx
+from PIL import Image
 
 from tests.engine.test_api import QUESTION, chat, image_tokens, user_message
 from tests.helpers import IMAGES, data_url
@@ -15,9 +19,13 @@ def test_each_engine_step_of_an_image_chat_is_reported_with_what_it_scheduled(ve
     server = verbose_server
     steps_url = f"{server.base_url}/admin/bench/steps"
     httpx.get(steps_url, timeout=30).raise_for_status()  # forget the other tests' steps
-    raw = (IMAGES / "rocket.jpg").read_bytes()
-    reply = chat(server, [user_message(QUESTION, data_url(raw, "image/jpeg"))], max_tokens=6,
-                 temperature=0, ignore_eos=True)
+    # An image no other test sent: nothing of the prompt is in vLLM's prefix cache.
+    photo = Image.open(IMAGES / "rocket.jpg").convert("RGB")
+    photo.putpixel((0, 0), tuple(os.urandom(3)))
+    buf = io.BytesIO()
+    photo.save(buf, format="PNG")
+    reply = chat(server, [user_message(QUESTION, data_url(buf.getvalue(), "image/png"))],
+                 max_tokens=6, temperature=0, ignore_eos=True)
     got = httpx.get(steps_url, timeout=30).json()
     steps = got["steps"]
     assert got["dropped"] == 0
