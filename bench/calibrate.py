@@ -239,11 +239,16 @@ class ArmCheck:
                                                                  self.ttft_p90_s)
 
 
-def ranks_agree(arms: Sequence[ArmCheck]) -> bool:
-    """The prediction orders the arms by goodput as the measurement does: no pair the
-    measurement puts strictly one way does the prediction put strictly the other way."""
-    return all((a.good - b.good) * (a.predicted_good - b.predicted_good) >= 0
-               for i, a in enumerate(arms) for b in arms[i + 1:])
+def ranks_agree(arms: Sequence[ArmCheck], tolerance: float = CHECK_TOLERANCE) -> bool:
+    """The prediction orders the arms by goodput as the measurement does: every pair the
+    measurement separates by more than ``tolerance`` (relative to the larger) keeps its order
+    in the prediction. Arms measured closer than that are a tie the measurement does not
+    rank: requiring the prediction to order them would ask it for more precision than the
+    check's own tolerance."""
+    def apart(x: int, y: int) -> bool:
+        return abs(x - y) > tolerance * max(x, y)
+    return all((a.good - b.good) * (a.predicted_good - b.predicted_good) > 0
+               for i, a in enumerate(arms) for b in arms[i + 1:] if apart(a.good, b.good))
 
 
 def check(episodes: Mapping, good: Mapping[str, Mapping[str, int]],

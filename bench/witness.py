@@ -45,11 +45,11 @@ import random
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import calibrate
-from bench.sim import cpu_profile
+from bench.sim import EngineConfig, cpu_profile
 from bench.stats import bootstrap_interval
 from bench.trace import CPU_CAPACITY, Capacity, Trace, cpu_suite
 
@@ -250,26 +250,31 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
     return good, ttfts, steps
 
 
-def calibration(eps: Mapping[str, Trace], good, ttfts, steps: Sequence[dict], kv: Mapping | None,
-                profile: Path | None, meta: Mapping) -> dict:
-    """The cpu profile of this run and its check (:func:`bench.calibrate.check`): the profile
-    in ``profile`` when given, else fitted (:func:`bench.calibrate.fit_steps`) to the run's
-    own engine steps (``steps``, ``kv``: the server's KV cache), else the committed one.
-    Returns ``{"ok", "table", "source", "profile"}`` (``profile``: the
-    ``cpu-profile.json`` record when fitted here, else None)."""
-    record = None
+def run_profile(steps: Sequence[dict], kv: Mapping | None, profile: Path | None,
+                meta: Mapping) -> tuple[EngineConfig, str, dict | None]:
+    """The cpu profile a run checks: ``profile`` when given, else one fitted
+    (:func:`bench.calibrate.fit_steps`) to the run's own engine steps (``steps``, ``kv``:
+    the server's KV cache), else the committed one. Returns ``(engine, where it came from,
+    the cpu-profile.json record when fitted here else None)``."""
     if profile is not None:
-        engine, source = cpu_profile(profile), str(profile)
-    elif steps and kv:
+        return cpu_profile(profile), str(profile), None
+    if steps and kv:
         fit = calibrate.fit_steps(steps)
         engine = fit.engine(kv["num_gpu_blocks"], kv["block_size"])
-        record = calibrate.profile_record(fit, engine, meta)
-        source = "fitted to this run's engine steps: " + calibrate.summary_line(fit, engine)
-    else:
-        engine, source = cpu_profile(), "the committed bench/cpu-profile.json"
+        return (engine, "fitted to this run's engine steps: "
+                + calibrate.summary_line(fit, engine),
+                calibrate.profile_record(fit, engine, meta))
+    return cpu_profile(), "the committed bench/cpu-profile.json", None
+
+
+def calibration(eps: Mapping[str, Trace], good, ttfts, engine: EngineConfig,
+                source: str) -> dict:
+    """The check of ``engine`` (:func:`bench.calibrate.check`) against the run's fixed-limit
+    arms: ``{"ok", "table", "source", "engine"}`` (``engine``: its fields, so that ``--from``
+    can judge again)."""
     ok, rows = calibrate.check(eps, good, ttfts, engine)
     return {"ok": ok, "table": calibrate.format_check(ok, rows), "source": source,
-            "profile": record}
+            "engine": asdict(engine)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -294,7 +299,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.source is not None:
         done = json.loads(args.source.read_text())
-        report(done["good"], done["calibration"], args.sim)
+        eps = {e: t for e, t in episodes(done["seed"]).items() if e in done["good"]}
+        calib = calibration(eps, done["good"], done["ttfts"],
+                            EngineConfig(**done["calibration"]["engine"]),
+                            done["calibration"]["source"])
+        report(done["good"], calib, args.sim)
         return 0
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - ARMS.keys())
@@ -329,11 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             stop_process(server)
     print(f"({len(good)} episodes x {len(arms)} arms in {time.perf_counter() - t0:.0f} s)")
     commit, dirty = git_state()
-    calib = calibration(eps, good, ttfts, steps, kv, args.profile, {
+    engine, source, record = run_profile(steps, kv, args.profile, {
         "commit": commit, "dirty": dirty, "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "seed": args.seed, "traces": "the witness's episodes, every arm"})
-    if calib["profile"] is not None:
-        (args.out / "cpu-profile.json").write_text(json.dumps(calib["profile"], indent=1) + "\n")
+    if record is not None:
+        (args.out / "cpu-profile.json").write_text(json.dumps(record, indent=1) + "\n")
+    calib = calibration(eps, good, ttfts, engine, source)
     (args.out / "witness.json").write_text(json.dumps(
         {"seed": args.seed, "good": good, "ttfts": ttfts, "calibration": calib}, indent=1))
     report(good, calib, args.sim)

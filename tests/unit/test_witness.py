@@ -116,16 +116,18 @@ def test_the_run_checks_a_cpu_profile_fitted_to_its_own_engine_steps(tmp_path, c
     good, ttfts = measured(eps, TRUE)
     kv = {"num_gpu_blocks": 1024, "block_size": 128}
     steps = synthetic_steps(TRUE, noise=0.0)  # an engine the model describes exactly
-    calib = witness.calibration(eps, good, ttfts, steps, kv, None, {"seed": 0})
-    assert calib["ok"] and calib["source"].startswith("fitted to this run's engine steps")
-    assert calib["profile"]["engine"]["num_gpu_blocks"] == 1024
+    engine, source, record = witness.run_profile(steps, kv, None, {"seed": 0})
+    assert source.startswith("fitted to this run's engine steps") and record is not None
+    assert record["engine"]["num_gpu_blocks"] == 1024
+    calib = witness.calibration(eps, good, ttfts, engine, source)
+    assert calib["ok"], calib["table"]
     # a profile given replaces the fit; without steps, the committed profile is checked
-    given = witness.calibration(eps, good, ttfts, steps, kv, CPU_PROFILE_PATH, {})
-    assert given["source"] == str(CPU_PROFILE_PATH) and given["profile"] is None
-    assert witness.calibration(eps, good, ttfts, [], None, None, {})["source"].startswith(
-        "the committed")
-    # --from prints an earlier run's verdicts without replaying
-    (tmp_path / "w.json").write_text(json.dumps({"good": good, "calibration": calib}))
+    given = witness.run_profile(steps, kv, CPU_PROFILE_PATH, {})
+    assert given[1] == str(CPU_PROFILE_PATH) and given[2] is None
+    assert witness.run_profile([], None, None, {})[1].startswith("the committed")
+    # --from judges an earlier run again without replaying
+    (tmp_path / "w.json").write_text(json.dumps({"seed": 0, "good": good, "ttfts": ttfts,
+                                                 "calibration": calib}))
     assert witness.main(["--from", str(tmp_path / "w.json")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "calib=ok" in out[-2] and out[-1].startswith("witness episodes=2 ")
