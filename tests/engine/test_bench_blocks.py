@@ -38,7 +38,8 @@ def test_two_blocks_against_a_live_server_are_measured_recorded_and_judged(
     for r in records:
         m = r["metrics"]
         assert r["run"] == "test-run" and r["commit"] == "c" * 40, r
-        assert m["api_cpu_ms"] > 0 and m["engine_cpu_ms"] >= 0, r
+        # /proc counts CPU in clock ticks (10 ms): a small segment may read 0 (summed below)
+        assert m["api_cpu_ms"] >= 0 and m["engine_cpu_ms"] >= 0, r
         assert 0 <= r["machine"]["steal"] <= 1 and 0 <= r["machine"]["foreign_cpu"] <= 1, r
         if r["cell"] in SMALL:
             assert m["completed"] == SMALL[r["cell"]].prompts and m["failed"] == 0, r
@@ -54,6 +55,8 @@ def test_two_blocks_against_a_live_server_are_measured_recorded_and_judged(
         else:
             assert r["cell"] == "burst" and m["non200"] == 0 and m["n"] == 4, r
             assert m["makespan_s"] > 0, r
+    # The API processes' CPU is measured: all segments together read more than nothing.
+    assert sum(r["metrics"]["api_cpu_ms"] for r in records) > 0
     # Each (block, cell) ran every arm once, in the block plan's order.
     plan = dict(compare.block_plan(0, range(2)))
     for block in (0, 1):
