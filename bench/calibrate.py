@@ -92,6 +92,11 @@ def _row(step: Mapping) -> list[float]:
             float(step["prefill_tokens"]), float(step["encoder_tokens"])]
 
 
+def _predict(coef: Sequence[float], step: Mapping) -> float:
+    """The step time the coefficients (in :data:`TERMS`' order) give ``step``, seconds."""
+    return sum(c * v for c, v in zip(coef, _row(step), strict=True))
+
+
 def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
     """Least squares ``rows @ x ~ y`` with ``x >= 0`` by active set: fit, drop the most
     negative coefficient (set it to 0), refit the rest, until none is negative (Lawson &
@@ -131,15 +136,14 @@ def fit_steps(steps: Sequence[Mapping]) -> Fit:
         # Relative least squares (each step weighted by 1 / its time): the noise of a step is
         # a share of it, so a 0.6-s image step must not drown the 5-ms decode steps.
         x = nnls([[v / t for v in _row(s)] for s, t in points], [1.0] * len(points))
-        return x, [(t - sum(c * v for c, v in zip(x, _row(s), strict=True))) / t
-                   for s, t in points]
+        return x, [(t - _predict(x, s)) / t for s, t in points]
 
     x, rel = fit(timed)
     mad = statistics.median(abs(r) for r in rel) * 1.4826
     kept = [p for p, r in zip(timed, rel, strict=True) if abs(r) <= TRIM_MADS * mad] \
         if mad > 0 else list(timed)
     x, _ = fit(kept)
-    res = [t - sum(c * v for c, v in zip(x, _row(s), strict=True)) for s, t in kept]
+    res = [t - _predict(x, s) for s, t in kept]
     y = [t for _, t in kept]
     mean = statistics.fmean(y)
     ss_tot = sum((v - mean) ** 2 for v in y)
@@ -186,8 +190,9 @@ def collect(base_url: str, seed: int = SEED) -> tuple[list[dict], dict]:
 
     from bench.cpu_engine import build_bodies, replay_http
     from bench.witness import drain
+    from bench.workloads import served_model
 
-    model = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    model = served_model(base_url)
     httpx.post(f"{base_url}/admin/bench/admission", json={"mode": "off"},
                timeout=30).raise_for_status()
     steps: list[dict] = []

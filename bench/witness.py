@@ -216,11 +216,12 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
     from bench.cpu_engine import build_bodies, replay_http
     from bench.progress import bar as progress_bar
     from bench.progress import say
+    from bench.workloads import served_model
 
     rng = random.Random(seed)
     order = list(eps)
     rng.shuffle(order)
-    model = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    model = served_model(base_url)
     good: dict[str, dict[str, int]] = {}
     ttfts: dict[str, dict[str, list[float]]] = {}
     steps: list[dict] = []
@@ -280,6 +281,8 @@ def calibration(eps: Mapping[str, Trace], good, ttfts, engine: EngineConfig,
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI (module docstring). Writes ``witness.json`` (and, fitted from the run,
     ``cpu-profile.json``) to ``--out``; 0 unless no episode ran."""
+    import httpx
+
     from bench.autotune import CPU_AUTO_ARGS, CPU_SLO
     from bench.process import ensure_tiny_model, git_state, start_serve, stop_process
 
@@ -330,8 +333,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = server.base_url
     try:
         good, ttfts, steps = run(url, eps, arms, args.seed, CPU_SLO)
-        import httpx
-
         kv = httpx.get(f"{url}/admin/autotuner", timeout=30).json()["kv_capacity"]
     finally:
         if server is not None:
