@@ -188,7 +188,10 @@ class EngineStatsFeed:
 
         A burst whose prompts do not fill one engine step (:attr:`step_tokens`) is prefilled
         in a step or two whose fixed cost, not the prefill throughput, sets its TTFT: its
-        rate is a lower bound, taken only where it is higher than the one known. (The engine
+        rate is a lower bound, taken only where it is higher than the one known, and never
+        as the first measurement: where the vision encoder costs far more per token than
+        the text prefill (a CPU engine), a few text prompts' rate would let the next image
+        burst in past the limit by its tokens. (The engine
         test of the burst budget, on an idle machine: 8 chats of 60 tokens measured 7,452
         tokens/s after 8 prompts of 4,000 had measured 17,068, and the budget fell from
         4,267 to 1,863 tokens while that burst arrived. On a loaded machine those TTFTs are
@@ -216,7 +219,7 @@ class EngineStatsFeed:
         if self._burst_count >= BURST_MIN_REQUESTS and elapsed > 0:
             rate = self._burst_tokens / elapsed
             known = self.prefill_tokens_per_s
-            if self._burst_tokens < self.step_tokens and known is not None and rate < known:
+            if self._burst_tokens < self.step_tokens and (known is None or rate < known):
                 return  # too small to show the throughput: a lower bound below the known
             self._prefill_rate, self._prefill_rate_s = rate, now
             if self.on_prefill_rate is not None:

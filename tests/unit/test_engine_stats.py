@@ -101,6 +101,26 @@ def test_a_burst_smaller_than_one_step_only_raises_the_prefill_rate():
     assert feed.prefill_tokens_per_s == 4000 and seen == [8000, 12000, 4000]
 
 
+def test_a_burst_smaller_than_one_step_is_not_the_first_measurement():
+    """Eight 60-token chats at an idle engine that has no rate yet fill no step: their
+    one-step TTFT says what the step's fixed cost is, not what an image burst of the same
+    tokens would take, so no rate is set (nor a budget given) until a burst fills a step."""
+    clock = Clock()
+    feed = EngineStatsFeed(clock=clock, step_tokens=4096)
+    seen = []
+    feed.on_prefill_rate = seen.append
+    feed.record(Sched(0, 0), None)
+    clock.t = 100.04
+    feed.record(Sched(8, 0), Iter(480, [0.04] * 8))
+    assert feed.prefill_tokens_per_s is None and seen == []
+    feed.record(Sched(0, 0), Iter(finished_requests=[Done(60, 2)] * 8))
+    clock.t += 5
+    feed.record(Sched(0, 0), None)
+    clock.t += 1.0
+    feed.record(Sched(8, 0), Iter(8000, [1.0] * 8))
+    assert feed.prefill_tokens_per_s == 8000 and seen == [8000]
+
+
 def test_prefill_rate_expires():
     from serve.admission.engine_stats import PREFILL_RATE_TTL_S
 
