@@ -1,8 +1,8 @@
 """The real engine as the autotuner's witness: paired episodes on one warm server.
 
 ``python -m bench.witness [--seed 0] [--episodes T2/0,T6/0,...] [--arms auto,L8,L16,off,aa]
-[--sim bench/out/simjudge.json] [--profile FILE] [--from witness.json]`` (~14 min for all 10
-episodes and 5 arms here)
+[--sim bench/out/simjudge.json] [--profile FILE] [--from witness.json] [--no-plain]`` (~14 min
+for all 10 episodes and 5 arms here, then ~1 min for the sanity arm)
 
 One ``python -m serve`` on the tiny model (``--bench-admin``, vLLM's
 ``--enable-logging-iteration-details``, the CPU suite's SLO and time constants) stays up for
@@ -18,6 +18,9 @@ replays the same seeded arrivals, shapes, words and photo crops (common random n
 word at the start of each text and a salt pixel in each crop make each arm's content its own,
 so no arm hits another's prefix or image cache while every arm does the same decode and prefill
 work. Episodes run in a random order, the arms in a fresh random permutation per episode.
+Then the **sanity arm**: plain vLLM's own OpenAI server, started with the same engine
+arguments, replays the T1 windows once (:data:`PLAIN_EPISODES`), and a line compares its good
+requests with the ``off`` arm's (reported, not gated; :func:`sanity_line`).
 
 Goodput is DistServe's, counted client-side: good requests (TTFT, queue wait included, and
 mean ITL within the targets) per episode. The statistic is the paired log-ratio per episode
@@ -61,6 +64,12 @@ ARMS: dict[str, dict] = {
     "off": {"mode": "off"},
     "aa": {"mode": "static", "limit": 16},
 }
+#: Episodes replayed once more against plain vLLM (``python -m vllm.entrypoints.openai.
+#: api_server``, the same engine arguments), after the arms: the sanity arm. The steady
+#: windows (T1 at 60 % of capacity), where most requests are good, so that the ``off`` arm
+#: (no gateway limit: what plain vLLM admits) and plain vLLM are compared on many of them
+#: (on the overload windows both get almost none).
+PLAIN_EPISODES = ("T1/0", "T1/1")
 #: Episodes whose traffic overloads the engine (T2's bursts, T6), and the steady ones (T1).
 OVERLOAD_PREFIXES = ("T2/", "T6/")
 STEADY_PREFIXES = ("T1/",)
@@ -251,6 +260,59 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
     return good, ttfts, steps
 
 
+async def vllm_idle(base_url: str, timeout_s: float = 120.0) -> None:
+    """Wait until plain vLLM at ``base_url`` runs and queues no request (its ``/metrics``:
+    ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` at 0). Raises
+    TimeoutError after ``timeout_s`` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        while time.monotonic() < deadline:
+            text = (await client.get("/metrics")).text
+            busy = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))]
+            if busy and not any(busy):
+                return
+            await asyncio.sleep(0.25)
+    raise TimeoutError("plain vLLM did not drain")
+
+
+def run_plain(base_url: str, eps: Mapping[str, Trace], seed: int, slo,
+              drain_s: float = 30.0) -> dict[str, int]:
+    """The sanity arm: replay ``eps`` once against plain vLLM at ``base_url`` (its own
+    salt, so that no earlier arm's prefix or image cache helps it); returns ``{episode: good
+    requests}``, counted as for the arms (:func:`run`)."""
+    from bench.autotune import summarize
+    from bench.cpu_engine import build_bodies, replay_http
+    from bench.progress import say
+    from bench.workloads import served_model
+
+    model = served_model(base_url)
+    good: dict[str, int] = {}
+    for name, trace in eps.items():
+        bodies = build_bodies(trace, model, salt=salt("plain", seed))
+        replay = asyncio.run(replay_http(trace, base_url, bodies, drain_s=drain_s))
+        good[name] = summarize("plain", replay.results, trace, slo).good
+        asyncio.run(vllm_idle(base_url))
+        say(f"{name:6} plain vLLM {good[name]}")
+    return good
+
+
+def sanity_line(good: Mapping[str, Mapping[str, int]], plain: Mapping[str, int]) -> str:
+    """One line comparing plain vLLM with the ``off`` arm on the episodes both ran: each
+    episode's good requests and the pooled ratio ``sum(plain) / sum(off)`` (reported, not
+    gated: ``off`` admits what plain vLLM admits, so the two should read alike within the
+    run's noise, which the A/A interval states)."""
+    names = [e for e in plain if "off" in good.get(e, {})]
+    if not names:
+        return "sanity plain vLLM: not run"
+    off = sum(good[e]["off"] for e in names)
+    pooled = sum(plain[e] for e in names) / off if off else float("nan")
+    return ("sanity plain vLLM vs off: " + "  ".join(
+        f"{e} {plain[e]}/{good[e]['off']}" for e in names) + f"  pooled {pooled:.2f}")
+
+
 def run_profile(steps: Sequence[dict], kv: Mapping | None, profile: Path | None,
                 meta: Mapping) -> tuple[EngineConfig, str, dict | None]:
     """The cpu profile a run checks: ``profile`` when given, else one fitted
@@ -298,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "one to the run's engine steps")
     p.add_argument("--from", dest="source", type=Path, help="an earlier run's witness.json: "
                    "print its verdicts (with --sim, the combined line) without replaying")
+    p.add_argument("--no-plain", action="store_true", help="skip the sanity arm (plain "
+                   "vLLM on " + ", ".join(PLAIN_EPISODES) + ")")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     args = p.parse_args(argv)
     if args.source is not None:
@@ -306,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         calib = calibration(eps, done["good"], done["ttfts"],
                             EngineConfig(**done["calibration"]["engine"]),
                             done["calibration"]["source"])
-        report(done["good"], calib, args.sim)
+        report(done["good"], calib, args.sim, done.get("plain"))
         return 0
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - ARMS.keys())
@@ -337,6 +401,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if server is not None:
             stop_process(server)
+    plain = None
+    plain_eps = {e: eps[e] for e in PLAIN_EPISODES if e in eps}
+    if plain_eps and "off" in arms and not args.no_plain and args.url is None:
+        from bench.compare import start_arm
+
+        print("witness: starting plain vLLM (the sanity arm) ...", file=sys.stderr, flush=True)
+        vllm = start_arm("raw", args.out, ensure_tiny_model())
+        try:
+            plain = run_plain(vllm.base_url, plain_eps, args.seed, CPU_SLO)
+        finally:
+            stop_process(vllm)
     print(f"({len(good)} episodes x {len(arms)} arms in {time.perf_counter() - t0:.0f} s)")
     commit, dirty = git_state()
     engine, source, record = run_profile(steps, kv, args.profile, {
@@ -346,14 +421,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.out / "cpu-profile.json").write_text(json.dumps(record, indent=1) + "\n")
     calib = calibration(eps, good, ttfts, engine, source)
     (args.out / "witness.json").write_text(json.dumps(
-        {"seed": args.seed, "good": good, "ttfts": ttfts, "calibration": calib}, indent=1))
-    report(good, calib, args.sim)
+        {"seed": args.seed, "good": good, "ttfts": ttfts, "calibration": calib,
+         "plain": plain}, indent=1))
+    report(good, calib, args.sim, plain)
     return 0 if good else 2
 
 
-def report(good: Mapping[str, Mapping[str, int]], calib: Mapping, sim: Path | None) -> None:
-    """Print the calibration check, the witness's line and, with ``sim`` (bench.simjudge's
-    JSON), the combined line last."""
+def report(good: Mapping[str, Mapping[str, int]], calib: Mapping, sim: Path | None,
+           plain: Mapping[str, int] | None = None) -> None:
+    """Print the sanity arm (``plain``: :func:`run_plain`'s, None when not run), the
+    calibration check, the witness's line and, with ``sim`` (bench.simjudge's JSON), the
+    combined line last."""
+    print(sanity_line(good, plain or {}))
     print(f"cpu profile: {calib['source']}")
     print(calib["table"])
     print(verdict_line(good))

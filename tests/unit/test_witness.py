@@ -131,3 +131,13 @@ def test_the_run_checks_a_cpu_profile_fitted_to_its_own_engine_steps(tmp_path, c
     assert witness.main(["--from", str(tmp_path / "w.json")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "calib=ok" in out[-2] and out[-1].startswith("witness episodes=2 ")
+
+
+def test_sanity_line_compares_plain_vllm_with_the_off_arm_on_the_same_episodes():
+    good = {"T1/0": {"off": 10, "auto": 30}, "T1/1": {"off": 30, "auto": 40},
+            "T2/0": {"auto": 5}}
+    line = witness.sanity_line(good, {"T1/0": 12, "T1/1": 28, "T2/0": 3})
+    # T2/0 has no off arm: left out of the line and of the pooled ratio (40 / 40).
+    assert line == "sanity plain vLLM vs off: T1/0 12/10  T1/1 28/30  pooled 1.00", line
+    assert witness.sanity_line(good, {}) == "sanity plain vLLM: not run"
+    assert set(witness.PLAIN_EPISODES) <= set(witness.episodes(0))
