@@ -281,7 +281,8 @@ async def vllm_idle(base_url: str, timeout_s: float = 120.0) -> None:
 def run_plain(base_url: str, eps: Mapping[str, Trace], seed: int, slo,
               drain_s: float = 30.0) -> dict[str, int]:
     """The sanity arm: replay ``eps`` once against plain vLLM at ``base_url`` (its own
-    salt, so that no earlier arm's prefix or image cache helps it); returns ``{episode: good
+    salt, so that no earlier arm's prefix or image cache helps it), after one unscored
+    replay of the first episode that warms the fresh engine up; returns ``{episode: good
     requests}``, counted as for the arms (:func:`run`)."""
     from bench.autotune import summarize
     from bench.cpu_engine import build_bodies, replay_http
@@ -289,6 +290,12 @@ def run_plain(base_url: str, eps: Mapping[str, Trace], seed: int, slo,
     from bench.workloads import served_model
 
     model = served_model(base_url)
+    # A fresh vLLM is slow on its first batches (kernels warm up per shape); the witness's
+    # server had every arm before. One unscored replay of the first episode, its own salt.
+    first = next(iter(eps.values()))
+    warm = build_bodies(first, model, salt=salt("plain-warm-up", seed))
+    asyncio.run(replay_http(first, base_url, warm, drain_s=drain_s))
+    asyncio.run(vllm_idle(base_url))
     good: dict[str, int] = {}
     for name, trace in eps.items():
         bodies = build_bodies(trace, model, salt=salt("plain", seed))
