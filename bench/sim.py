@@ -534,7 +534,8 @@ class Simulation:
                             ablate=setup.controller.ablate if mode == "auto" else frozenset(),
                             weights=dict(trace.weights))
         self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock,
-                                    step_tokens=engine.max_num_batched_tokens)
+                                    step_tokens=engine.max_num_batched_tokens,
+                                    ttft_target_s=setup.slo.ttft_s)
         config = replace(setup.controller, ceiling=engine.max_num_seqs,
                          min_seqs=min(setup.controller.min_seqs, engine.max_num_seqs))
         if unlimited:

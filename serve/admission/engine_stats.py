@@ -131,6 +131,10 @@ class EngineStatsFeed:
     #: burst whose prompts do not fill one step may raise the measured prefill rate but not
     #: lower it (:meth:`_burst_prefill`).
     step_tokens: int = 0
+    #: The TTFT target, seconds (inf: none): a burst that did not fill one step but took at
+    #: least this long to prefill was held up by its work (image encodes), not by a step's
+    #: fixed cost, so its rate may be the first measurement (:meth:`_burst_prefill`).
+    ttft_target_s: float = math.inf
     _prefill_rate: float | None = field(default=None, init=False)
     _prefill_rate_s: float = field(default=0.0, init=False)
     _burst_start_s: float | None = field(default=None, init=False)
@@ -180,18 +184,23 @@ class EngineStatsFeed:
 
     def _burst_prefill(self, now: float, idle_before: bool, iteration_stats) -> None:
         """Measure the prefill throughput on a burst: requests that reach an idle engine
-        together (within :data:`BURST_ARRIVAL_S`) are prefilled back to back, so the prompt
-        tokens completed divided by the latest of their TTFTs (counted from their arrival
-        at the engine) is the engine's prefill rate, image encoding included. The
-        measurement stops at the first completion of a request that arrived later; it is
-        kept when it covered at least :data:`BURST_MIN_REQUESTS` requests.
+        together (within :data:`BURST_ARRIVAL_S` of the first, its *members*) are prefilled
+        back to back (vLLM schedules FCFS), so the members' prompt tokens completed divided
+        by the time since the first of them arrived at the engine is the engine's prefill
+        rate, image encoding included. The measurement stops after the first step that also
+        completes a later arrival (from then on those compete); that step's tokens count
+        for the members by their share of its requests (a step reports only its sum). It is
+        kept once it covers at least :data:`BURST_MIN_REQUESTS` members. A burst sent at once
+        reaches the engine spread over its intake (up to a second on a loaded machine), so
+        its first members are often completed in the same step as later ones.
 
         A burst whose prompts do not fill one engine step (:attr:`step_tokens`) is prefilled
         in a step or two whose fixed cost, not the prefill throughput, sets its TTFT: its
-        rate is a lower bound, taken only where it is higher than the one known, and never
-        as the first measurement: where the vision encoder costs far more per token than
-        the text prefill (a CPU engine), a few text prompts' rate would let the next image
-        burst in past the limit by its tokens. (The engine
+        rate is a lower bound, taken only where it is higher than the one known, and not as
+        the first measurement unless it took at least :attr:`ttft_target_s` (then its work
+        held it up, not a step's fixed cost): where the vision encoder costs far more per
+        token than the text prefill (a CPU engine), a few text prompts' rate would let the
+        next image burst in past the limit by its tokens. (The engine
         test of the burst budget, on an idle machine: 8 chats of 60 tokens measured 7,452
         tokens/s after 8 prompts of 4,000 had measured 17,068, and the budget fell from
         4,267 to 1,863 tokens while that burst arrived. On a loaded machine those TTFTs are
@@ -208,19 +217,20 @@ class EngineStatsFeed:
         arrivals = [now - t for t in ttfts]
         if self._burst_start_s is None:
             self._burst_start_s = min(arrivals)
-        if max(arrivals) - self._burst_start_s > BURST_ARRIVAL_S:
-            self._burst_open = False
+        members = sum(a - self._burst_start_s <= BURST_ARRIVAL_S for a in arrivals)
+        if members < len(arrivals):
+            self._burst_open = False  # later arrivals compete from here on
+        if not members:
             return
-        self._burst_tokens += iteration_stats.num_prompt_tokens
-        self._burst_count += len(ttfts)
-        # The latest arrival's TTFT: the time the engine took for the whole group once the
-        # last of it was there (the arrivals' own spread is not prefill time).
-        elapsed = min(ttfts)
+        self._burst_tokens += iteration_stats.num_prompt_tokens * members // len(arrivals)
+        self._burst_count += members
+        elapsed = now - self._burst_start_s
         if self._burst_count >= BURST_MIN_REQUESTS and elapsed > 0:
             rate = self._burst_tokens / elapsed
             known = self.prefill_tokens_per_s
-            if self._burst_tokens < self.step_tokens and (known is None or rate < known):
-                return  # too small to show the throughput: a lower bound below the known
+            if self._burst_tokens < self.step_tokens and elapsed < self.ttft_target_s and (
+                    known is None or rate < known):
+                return  # fast and too small to show the throughput: a lower bound
             self._prefill_rate, self._prefill_rate_s = rate, now
             if self.on_prefill_rate is not None:
                 self.on_prefill_rate(self._prefill_rate)

@@ -42,7 +42,8 @@ class Admission:
                                    engine_queue_wait_s=s.slo_ttft_s,
                                    burst_window_s=burst_window_s(
                                        s.slo_ttft_s, s.autotune_interval_s))
-        feed = EngineStatsFeed(window_s=s.autotune_window_s, step_tokens=s.max_num_batched_tokens)
+        feed = EngineStatsFeed(window_s=s.autotune_window_s, step_tokens=s.max_num_batched_tokens,
+                               ttft_target_s=s.slo_ttft_s)
         loop = AutotuneLoop(Controller(config, s.admission_limit), limiter, feed,
                             mode=s.autotune, interval_s=s.autotune_interval_s, metrics=metrics)
         admission = cls(limiter, feed, loop, SloTargets(s.slo_ttft_s, s.slo_itl_s), metrics)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
 from serve.admission.engine_stats import BURST_MIN_REQUESTS, EngineStatsFeed
 
 
@@ -96,9 +98,11 @@ def test_a_burst_smaller_than_one_step_only_raises_the_prefill_rate():
     burst(60, 8, 0.2)
     assert feed.prefill_tokens_per_s == 8000 and seen == [8000]
     burst(60, 8, 0.04)  # 12,000 tokens/s: a lower bound above the known rate
-    assert feed.prefill_tokens_per_s == 12000 and seen == [8000, 12000]
+    assert feed.prefill_tokens_per_s == pytest.approx(12000)
+    assert seen == [8000, pytest.approx(12000)]
     burst(1000, 8, 2.0)  # 8,000 tokens fill a step: the engine's throughput, lower
-    assert feed.prefill_tokens_per_s == 4000 and seen == [8000, 12000, 4000]
+    assert feed.prefill_tokens_per_s == pytest.approx(4000)
+    assert seen == [8000, pytest.approx(12000), pytest.approx(4000)]
 
 
 def test_a_burst_smaller_than_one_step_is_not_the_first_measurement():
@@ -119,6 +123,34 @@ def test_a_burst_smaller_than_one_step_is_not_the_first_measurement():
     clock.t += 1.0
     feed.record(Sched(8, 0), Iter(8000, [1.0] * 8))
     assert feed.prefill_tokens_per_s == 8000 and seen == [8000]
+
+
+def test_a_spread_burst_is_measured_on_its_first_members():
+    """A burst that reaches the engine spread over its intake: four 500-token prompts within
+    0.2 s of the first, then four more 0.3-0.4 s after it, all completed in one step at
+    t0 + 2 s. The first four are the burst; the step's tokens count for them by their share
+    (4 of 8) over the 2 s since the first arrived: 1,000 tokens/s. Later steps do not count."""
+    clock = Clock()
+    feed = EngineStatsFeed(clock=clock)
+    feed.record(Sched(0, 0), None)  # idle
+    clock.t = 102.0
+    feed.record(Sched(8, 0), Iter(4000, [2.0, 1.9, 1.85, 1.8, 1.7, 1.65, 1.62, 1.6]))
+    assert feed.prefill_tokens_per_s == 2000 / 2.0
+    clock.t = 103.0
+    feed.record(Sched(8, 0), Iter(4000, [3.0] * 4))
+    assert feed.prefill_tokens_per_s == 1000
+
+
+def test_a_slow_burst_smaller_than_one_step_is_the_first_measurement():
+    """Four image requests of 400 tokens (1,600: less than a 4,096-token step) that took 3 s
+    to their first tokens, past the 2-s TTFT target: the encoder's work held them up, not a
+    step's fixed cost, so their rate (533 tokens/s) is the first measurement."""
+    clock = Clock()
+    feed = EngineStatsFeed(clock=clock, step_tokens=4096, ttft_target_s=2.0)
+    feed.record(Sched(0, 0), None)
+    clock.t = 103.0
+    feed.record(Sched(4, 0), Iter(1600, [3.0] * 4))
+    assert feed.prefill_tokens_per_s == 1600 / 3.0
 
 
 def test_prefill_rate_expires():
