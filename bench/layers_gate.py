@@ -21,7 +21,10 @@ The baseline (:data:`BASELINE`, committed) holds the figures and the environment
 counted in (:func:`environment`: interpreter build, glibc, valgrind, the CPU's instruction-set
 flags glibc dispatches on, and the version of every distribution the counted process loaded).
 Another environment counts other instructions for the same code, so the gate does not compare
-across one: it prints ``result=stale`` with what differs and exits 0. A change of the pins
+across one: it counts again, here, the code the baseline was stored for (the tree of the
+commit that last changed the baseline file, :func:`reference_commit`) and compares with that
+(``baseline=A/B@<commit> (recounted here)``); only where that commit cannot be had (no git
+history) it prints ``result=stale`` with what differs and exits 0. A change of the pins
 (``pyproject.toml``) or of the interpreter comes with a refreshed baseline:
 ``make bench-layers BENCH_ARGS=--update-baseline`` (``result=updated``), committed with it.
 """
@@ -44,6 +47,8 @@ from pathlib import Path
 from bench.layers import slopes
 from bench.progress import bar as progress_bar
 
+ROOT = Path(__file__).resolve().parent.parent
+"""The project's source tree."""
 BASELINE = Path(__file__).with_name("layers-baseline.json")
 """The committed baseline (``--update-baseline`` writes it)."""
 TOLERANCE_PCT = 2.0
@@ -71,8 +76,9 @@ def valgrind_version() -> str:
                           check=True).stdout.strip()
 
 
-def count(tokens: int, requests: int) -> tuple[dict, list[str]]:
-    """Run the counted workload once under cachegrind.
+def count(tokens: int, requests: int, root: Path = ROOT) -> tuple[dict, list[str]]:
+    """Run the counted workload once under cachegrind, in the source tree ``root`` (its
+    ``bench.layers`` and ``serve``: ``python -m`` puts the working directory first).
 
     Returns:
         ``(counts, modules)``: instructions at each mark, keyed ``(side, boundary)``
@@ -85,7 +91,6 @@ def count(tokens: int, requests: int) -> tuple[dict, list[str]]:
     # hash seed fixes every str-keyed dict's and set's probing.
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONHASHSEED": "0",
            "LC_ALL": "C.UTF-8"}
-    root = Path(__file__).resolve().parent.parent
     workload = [sys.executable, "-m", "bench.layers", "--marks"]
     with tempfile.TemporaryDirectory(prefix="layers-gate-") as out:
         with progress_bar(2, "bench.layers --marks", "run") as bar:
@@ -240,6 +245,35 @@ def load_baseline(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def reference_commit(baseline: Path) -> str | None:
+    """The commit that last changed the committed ``baseline`` file: its tree holds the code
+    the stored figures were counted for (None outside a git checkout, or where history does
+    not reach it, e.g. a shallow clone)."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%H", "--", baseline.name],
+                             cwd=baseline.parent, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def recount_reference(commit: str, tokens: int, requests: int) -> dict:
+    """The figures of our layers at ``commit``, counted here: its tree exported to a
+    temporary directory (``git archive``) and run by :func:`count` in this environment, so
+    that a baseline stored in another environment is compared with like.
+
+    Raises:
+        RuntimeError: the export or the counted run failed.
+    """
+    with tempfile.TemporaryDirectory(prefix="layers-ref-") as tree:
+        archive = subprocess.run(f"git archive {commit} | tar -x -C {tree}", shell=True,
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if archive.returncode != 0:
+            raise RuntimeError(f"git archive {commit} failed: {archive.stderr[-2000:]}")
+        counts, _ = count(tokens, requests, Path(tree))
+    return slopes(counts, tokens, requests)["layers"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.layers_gate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -267,7 +301,19 @@ def main(argv: list[str] | None = None) -> int:
               f" instructions_per_token={measured['instructions_per_token']:.1f}"
               f" baseline={args.baseline} result=updated")
         return 0
-    line, status = verdict(measured, load_baseline(args.baseline), env, workload)
+    baseline = load_baseline(args.baseline)
+    line, status = verdict(measured, baseline, env, workload)
+    commit = reference_commit(args.baseline) if "result=stale" in line else None
+    if commit is not None:
+        # The stored figures are from another environment: count the code they were stored
+        # for here, so the gate still compares (a fresh CI machine resolves newer libraries).
+        print(f"bench.layers_gate: the baseline was counted in another environment "
+              f"({line.split('not compared: ', 1)[-1].split('; refresh', 1)[0]}): counting "
+              f"its code ({commit[:8]}) here", file=sys.stderr, flush=True)
+        reference = recount_reference(commit, TOKENS, REQUESTS)
+        line, status = verdict(measured, {**reference, "workload": workload,
+                                          "environment": env}, env, workload)
+        line = line.replace(" change=", f"@{commit[:8]} (recounted here) change=", 1)
     print(line)
     return status
 

@@ -157,3 +157,55 @@ def test_the_committed_baseline_is_for_the_gates_workload():
     assert baseline["instructions_per_request"] > 0 and baseline["instructions_per_token"] > 0
     assert {"python", "valgrind", "libc", "cpu_flags", "packages"} <= set(
         baseline["environment"])
+
+
+def git(cwd, *args):
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_the_reference_is_the_commit_that_last_changed_the_baseline(tmp_path):
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "config", "user.email", "t@example.com")
+    git(tmp_path, "config", "user.name", "t")
+    baseline = tmp_path / "layers-baseline.json"
+    baseline.write_text("{}")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-qm", "baseline")
+    first = git(tmp_path, "rev-parse", "HEAD")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-qm", "code")
+    baseline.write_text('{"edited": 1}')  # an uncommitted refresh does not count yet
+    assert layers_gate.reference_commit(baseline) == first
+    assert layers_gate.reference_commit(tmp_path / "nowhere" / "x.json") is None
+
+
+def test_a_stale_baseline_is_recounted_here_and_judged(tmp_path, monkeypatch, capsys):
+    """The stored figures come from another environment (a newer library): the gate counts
+    the baseline commit's code here and judges against that count: +3 % over it fails."""
+    stored = tmp_path / "layers-baseline.json"
+    stored.write_text(json.dumps({"instructions_per_request": 400_000.0,
+                                  "instructions_per_token": 9_000.0, "workload": WORKLOAD,
+                                  "environment": {**ENV, "packages": {"idna": "0.1"}}}))
+    figures = {layers_gate.ROOT: (515_000, 10_300), tmp_path: (500_000, 10_000)}
+    monkeypatch.setattr(layers_gate, "valgrind_version", lambda: "valgrind-3.19.0")
+    monkeypatch.setattr(layers_gate, "environment", lambda modules, valgrind: ENV)
+    monkeypatch.setattr(layers_gate, "reference_commit", lambda path: "abcdef0123456789")
+    monkeypatch.setattr(layers_gate, "count",
+                        lambda tokens, requests, root=layers_gate.ROOT: (figures[root], []))
+    monkeypatch.setattr(layers_gate, "slopes", lambda counts, tokens, requests: {
+        side: {"instructions_per_request": counts[0], "instructions_per_token": counts[1]}
+        for side in ("layers", "peer", "ours")})
+    recounted = []
+
+    def recount(commit, tokens, requests):
+        recounted.append(commit)
+        return layers_gate.slopes(layers_gate.count(tokens, requests, tmp_path)[0], 0, 0)["layers"]
+
+    monkeypatch.setattr(layers_gate, "recount_reference", recount)
+    assert layers_gate.main(["--baseline", str(stored)]) == 1
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert recounted == ["abcdef0123456789"]
+    assert "baseline=500000/10000.0@abcdef01 (recounted here) change=+3.00%/+3.00%" in line
+    assert line.endswith("result=fail (more than +2% over the baseline)"), line
