@@ -24,7 +24,7 @@ Another environment counts other instructions for the same code, so the gate doe
 across one: it counts again, here, the code the baseline was stored for (the tree of the
 commit that last changed the baseline file, :func:`reference_commit`) and compares with that
 (``baseline=A/B@<commit> (recounted here)``); only where that commit cannot be had (no git
-history) it prints ``result=stale`` with what differs and exits 0. A change of the pins
+history, a shallow clone) it prints ``result=stale`` with what differs and exits 0. A change of the pins
 (``pyproject.toml``) or of the interpreter comes with a refreshed baseline:
 ``make bench-layers BENCH_ARGS=--update-baseline`` (``result=updated``), committed with it.
 """
@@ -248,13 +248,18 @@ def load_baseline(path: Path) -> dict | None:
 def reference_commit(baseline: Path) -> str | None:
     """The commit that last changed the committed ``baseline`` file: its tree holds the code
     the stored figures were counted for (None outside a git checkout, or where history does
-    not reach it, e.g. a shallow clone)."""
-    try:
-        out = subprocess.run(["git", "log", "-1", "--format=%H", "--", baseline.name],
-                             cwd=baseline.parent, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
+    not reach it: in a shallow clone every file seems last changed by its oldest commit)."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=baseline.parent, capture_output=True,
+                                 text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() or None if out.returncode == 0 else None
+
+    if git("rev-parse", "--is-shallow-repository") != "false":
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return git("log", "-1", "--format=%H", "--", baseline.name)
 
 
 def recount_reference(commit: str, tokens: int, requests: int) -> dict:

@@ -179,6 +179,9 @@ def test_the_reference_is_the_commit_that_last_changed_the_baseline(tmp_path):
     baseline.write_text('{"edited": 1}')  # an uncommitted refresh does not count yet
     assert layers_gate.reference_commit(baseline) == first
     assert layers_gate.reference_commit(tmp_path / "nowhere" / "x.json") is None
+    shallow = tmp_path / "shallow"
+    git(tmp_path, "clone", "-q", "--depth", "1", f"file://{tmp_path}", str(shallow))
+    assert layers_gate.reference_commit(shallow / "layers-baseline.json") is None
 
 
 def test_a_stale_baseline_is_recounted_here_and_judged(tmp_path, monkeypatch, capsys):
