@@ -24,8 +24,8 @@ Another environment counts other instructions for the same code, so the gate doe
 across one: it counts again, here, the code the baseline was stored for (the tree of the
 commit that last changed the baseline file, :func:`reference_commit`) and compares with that
 (``baseline=A/B@<commit> (recounted here)``); only where that commit cannot be had (no git
-history, a shallow clone) it prints ``result=stale`` with what differs and exits 0. A change of the pins
-(``pyproject.toml``) or of the interpreter comes with a refreshed baseline:
+history, a shallow clone) it prints ``result=stale`` with what differs and exits 0. A change
+of the pins (``pyproject.toml``) or of the interpreter comes with a refreshed baseline:
 ``make bench-layers BENCH_ARGS=--update-baseline`` (``result=updated``), committed with it.
 """
 
