@@ -212,11 +212,13 @@ async def drain(base_url: str, timeout_s: float = 120.0) -> None:
 
 def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
         slo, drain_s: float = 30.0) -> tuple[dict[str, dict[str, int]],
-                                             dict[str, dict[str, list[float]]], list[dict]]:
+                                             dict[str, dict[str, list[float]]], list[dict],
+                                             dict[str, dict[str, dict]]]:
     """Replay every episode on every arm against the server at ``base_url``; returns
-    ``({episode: {arm: good requests}}, {episode: {arm: TTFTs}}, steps)`` (TTFT: seconds,
-    client side, of the requests that got a first token; steps: the engine steps the server
-    logged, :mod:`serve.steplog`, empty without vLLM's ``--enable-logging-iteration-details``).
+    ``({episode: {arm: good requests}}, {episode: {arm: TTFTs}}, steps, {episode: {arm:``
+    :func:`kind_summary```}})`` (TTFT: seconds, client side, of the requests that got a
+    first token; steps: the engine steps the server logged, :mod:`serve.steplog`, empty
+    without vLLM's ``--enable-logging-iteration-details``).
     Prints one line per episode (stdout) and counts the (episode, arm) replays on a progress
     bar (stderr)."""
     import httpx
@@ -234,6 +236,7 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
     good: dict[str, dict[str, int]] = {}
     ttfts: dict[str, dict[str, list[float]]] = {}
     steps: list[dict] = []
+    kinds: dict[str, dict[str, dict]] = {}
     httpx.get(f"{base_url}/admin/bench/steps", timeout=30)  # only the replays' steps
     with progress_bar(len(order) * len(arms), "witness", "replay") as bar:
         for k, name in enumerate(order):
@@ -241,7 +244,7 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
             trace = eps[name]
             perm = list(arms)
             rng.shuffle(perm)
-            good[name], ttfts[name] = {}, {}
+            good[name], ttfts[name], kinds[name] = {}, {}, {}
             for arm in perm:
                 bar.set_postfix_str(f"{name} {arm}")
                 bodies = build_bodies(trace, model, salt=salt(arm, seed))
@@ -252,12 +255,13 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
                 s = summarize(arm, replay.results, trace, slo)
                 good[name][arm] = s.good
                 ttfts[name][arm] = [r.ttft_s for r in replay.results if r.ttft_s is not None]
+                kinds[name][arm] = kind_summary(replay.results, slo)
                 asyncio.run(drain(base_url))
                 steps += httpx.get(f"{base_url}/admin/bench/steps", timeout=60).json()["steps"]
                 bar.update()
             say(f"{name:6} {len(trace.requests):4} requests  " + "  ".join(
                 f"{a} {good[name][a]}" for a in arms))
-    return good, ttfts, steps
+    return good, ttfts, steps, kinds
 
 
 async def vllm_idle(base_url: str, timeout_s: float = 120.0) -> None:
@@ -279,11 +283,12 @@ async def vllm_idle(base_url: str, timeout_s: float = 120.0) -> None:
 
 
 def run_plain(base_url: str, eps: Mapping[str, Trace], seed: int, slo,
-              drain_s: float = 30.0) -> dict[str, int]:
+              drain_s: float = 30.0) -> tuple[dict[str, int], dict[str, dict]]:
     """The sanity arm: replay ``eps`` once against plain vLLM at ``base_url`` (its own
     salt, so that no earlier arm's prefix or image cache helps it), after one unscored
-    replay of the first episode that warms the fresh engine up; returns ``{episode: good
-    requests}``, counted as for the arms (:func:`run`)."""
+    replay of the first episode that warms the fresh engine up; returns ``({episode: good
+    requests}, {episode:`` :func:`kind_summary```})``, counted as for the arms
+    (:func:`run`)."""
     from bench.autotune import summarize
     from bench.cpu_engine import build_bodies, replay_http
     from bench.progress import say
@@ -297,27 +302,75 @@ def run_plain(base_url: str, eps: Mapping[str, Trace], seed: int, slo,
     asyncio.run(replay_http(first, base_url, warm, drain_s=drain_s))
     asyncio.run(vllm_idle(base_url))
     good: dict[str, int] = {}
+    kinds: dict[str, dict] = {}
     for name, trace in eps.items():
         bodies = build_bodies(trace, model, salt=salt("plain", seed))
         replay = asyncio.run(replay_http(trace, base_url, bodies, drain_s=drain_s))
         good[name] = summarize("plain", replay.results, trace, slo).good
+        kinds[name] = kind_summary(replay.results, slo)
         asyncio.run(vllm_idle(base_url))
         say(f"{name:6} plain vLLM {good[name]}")
-    return good
+    return good, kinds
 
 
-def sanity_line(good: Mapping[str, Mapping[str, int]], plain: Mapping[str, int]) -> str:
+KINDS = ("text", "image")
+"""The request kinds :func:`kind_summary` splits an episode's requests into."""
+
+
+def kind_summary(results, slo) -> dict[str, dict]:
+    """An episode's requests split by kind (``text``, ``image``: with at least one image):
+    ``{kind: {"n", "good", "ttft_p50_s", "itl_p50_s"}}``; the TTFT (client side, queue
+    included) and mean ITL medians in seconds over the requests that had one (None: none).
+    Where plain vLLM and the ``off`` arm differ, this says on which requests and how."""
+    from serve.admission.engine_stats import percentile
+
+    out = {}
+    for kind in KINDS:
+        rs = [r for r in results if (r.request.images > 0) == (kind == "image")]
+        out[kind] = {
+            "n": len(rs), "good": sum(r.good(slo) for r in rs),
+            "ttft_p50_s": percentile([r.ttft_s for r in rs if r.ttft_s is not None], 50),
+            "itl_p50_s": percentile([r.mean_itl_s for r in rs if r.mean_itl_s is not None], 50)}
+    return out
+
+
+def pooled_kinds(per_episode: Iterable[Mapping[str, Mapping]]) -> str:
+    """:func:`kind_summary` results pooled over episodes, as text: per kind, good/total and
+    the largest of the episodes' TTFT and ITL medians (seconds, milliseconds)."""
+    episodes = list(per_episode)
+    parts = []
+    for kind in KINDS:
+        rows = [e[kind] for e in episodes]
+        n, good = sum(r["n"] for r in rows), sum(r["good"] for r in rows)
+        ttft = max((r["ttft_p50_s"] for r in rows if r["ttft_p50_s"] is not None), default=None)
+        itl = max((r["itl_p50_s"] for r in rows if r["itl_p50_s"] is not None), default=None)
+        parts.append(f"{kind} {good}/{n} TTFT p50 "
+                     + ("-" if ttft is None else f"{ttft:.2f} s") + " ITL p50 "
+                     + ("-" if itl is None else f"{1000 * itl:.0f} ms"))
+    return ", ".join(parts)
+
+
+def sanity_line(good: Mapping[str, Mapping[str, int]], plain: Mapping[str, int],
+                kinds: Mapping[str, Mapping[str, Mapping]] | None = None,
+                plain_kinds: Mapping[str, Mapping] | None = None) -> str:
     """One line comparing plain vLLM with the ``off`` arm on the episodes both ran: each
     episode's good requests and the pooled ratio ``sum(plain) / sum(off)`` (reported, not
     gated: ``off`` admits what plain vLLM admits, so the two should read alike within the
-    run's noise, which the A/A interval states)."""
+    run's noise, which the A/A interval states). With ``kinds`` (``{episode: {arm:``
+    :func:`kind_summary```}}``) and ``plain_kinds`` (``{episode:`` :func:`kind_summary```}``),
+    two more lines split both by request kind (:func:`pooled_kinds`)."""
     names = [e for e in plain if "off" in good.get(e, {})]
     if not names:
         return "sanity plain vLLM: not run"
     off = sum(good[e]["off"] for e in names)
     pooled = sum(plain[e] for e in names) / off if off else float("nan")
-    return ("sanity plain vLLM vs off: " + "  ".join(
+    line = ("sanity plain vLLM vs off: " + "  ".join(
         f"{e} {plain[e]}/{good[e]['off']}" for e in names) + f"  pooled {pooled:.2f}")
+    if kinds and plain_kinds and all(e in plain_kinds and "off" in kinds.get(e, {})
+                                     for e in names):
+        line += ("\n  plain vLLM: " + pooled_kinds(plain_kinds[e] for e in names)
+                 + "\n  off:        " + pooled_kinds(kinds[e]["off"] for e in names))
+    return line
 
 
 def run_profile(steps: Sequence[dict], kv: Mapping | None, profile: Path | None,
@@ -377,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         calib = calibration(eps, done["good"], done["ttfts"],
                             EngineConfig(**done["calibration"]["engine"]),
                             done["calibration"]["source"])
-        report(done["good"], calib, args.sim, done.get("plain"))
+        report(done["good"], calib, args.sim, done.get("plain"), done.get("kinds"),
+               done.get("plain_kinds"))
         return 0
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - ARMS.keys())
@@ -403,12 +457,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                              args.out / "witness-server.log")
         url = server.base_url
     try:
-        good, ttfts, steps = run(url, eps, arms, args.seed, CPU_SLO)
+        good, ttfts, steps, kinds = run(url, eps, arms, args.seed, CPU_SLO)
         kv = httpx.get(f"{url}/admin/autotuner", timeout=30).json()["kv_capacity"]
     finally:
         if server is not None:
             stop_process(server)
-    plain = None
+    plain = plain_kinds = None
     plain_eps = {e: eps[e] for e in PLAIN_EPISODES if e in eps}
     if plain_eps and "off" in arms and not args.no_plain and args.url is None:
         from bench.compare import start_arm
@@ -416,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("witness: starting plain vLLM (the sanity arm) ...", file=sys.stderr, flush=True)
         vllm = start_arm("raw", args.out, ensure_tiny_model())
         try:
-            plain = run_plain(vllm.base_url, plain_eps, args.seed, CPU_SLO)
+            plain, plain_kinds = run_plain(vllm.base_url, plain_eps, args.seed, CPU_SLO)
         finally:
             stop_process(vllm)
     print(f"({len(good)} episodes x {len(arms)} arms in {time.perf_counter() - t0:.0f} s)")
@@ -429,17 +483,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     calib = calibration(eps, good, ttfts, engine, source)
     (args.out / "witness.json").write_text(json.dumps(
         {"seed": args.seed, "good": good, "ttfts": ttfts, "calibration": calib,
-         "plain": plain}, indent=1))
-    report(good, calib, args.sim, plain)
+         "plain": plain, "kinds": kinds, "plain_kinds": plain_kinds}, indent=1))
+    report(good, calib, args.sim, plain, kinds, plain_kinds)
     return 0 if good else 2
 
 
 def report(good: Mapping[str, Mapping[str, int]], calib: Mapping, sim: Path | None,
-           plain: Mapping[str, int] | None = None) -> None:
-    """Print the sanity arm (``plain``: :func:`run_plain`'s, None when not run), the
-    calibration check, the witness's line and, with ``sim`` (bench.simjudge's JSON), the
-    combined line last."""
-    print(sanity_line(good, plain or {}))
+           plain: Mapping[str, int] | None = None, kinds: Mapping | None = None,
+           plain_kinds: Mapping | None = None) -> None:
+    """Print the sanity arm (``plain``, ``plain_kinds``: :func:`run_plain`'s, None when not
+    run; ``kinds``: :func:`run`'s), the calibration check, the witness's line and, with
+    ``sim`` (bench.simjudge's JSON), the combined line last."""
+    print(sanity_line(good, plain or {}, kinds, plain_kinds))
     print(f"cpu profile: {calib['source']}")
     print(calib["table"])
     print(verdict_line(good))

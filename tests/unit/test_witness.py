@@ -141,3 +141,32 @@ def test_sanity_line_compares_plain_vllm_with_the_off_arm_on_the_same_episodes()
     assert line == "sanity plain vLLM vs off: T1/0 12/10  T1/1 28/30  pooled 1.00", line
     assert witness.sanity_line(good, {}) == "sanity plain vLLM: not run"
     assert set(witness.PLAIN_EPISODES) <= set(witness.episodes(0))
+
+
+def test_the_sanity_arm_is_split_by_request_kind():
+    """Plain vLLM and the off arm read by kind: which requests plain vLLM loses, and whether
+    by TTFT or ITL. Text: 2 requests, one good; image: 1, late (TTFT 3 s over a 2-s target)."""
+    from bench.sim import RequestResult
+    from bench.trace import TraceRequest
+    from serve.admission.goodput import SloTargets
+
+    def result(i, images, first, finish, tokens=11):
+        req = TraceRequest(i, 0.0, 300, 313 * images, images, tokens, "T1")
+        return RequestResult(req, admitted_s=0.0, first_token_s=first, finish_s=finish,
+                             tokens=tokens)
+
+    slo = SloTargets(2.0, 0.05)
+    kinds = witness.kind_summary([result(0, 0, 0.5, 0.8), result(1, 0, 0.4, 1.4),
+                                  result(2, 1, 3.0, 3.3)], slo)
+    assert kinds["text"] == {"n": 2, "good": 1, "ttft_p50_s": 0.4,
+                             "itl_p50_s": pytest.approx(0.03)}
+    assert kinds["image"]["n"] == 1 and kinds["image"]["good"] == 0
+    assert kinds["image"]["ttft_p50_s"] == 3.0
+    good = {"T1/0": {"off": 3}}
+    line = witness.sanity_line(good, {"T1/0": 1}, {"T1/0": {"off": kinds}},
+                               {"T1/0": kinds})
+    head, plain, off = line.splitlines()
+    assert head == "sanity plain vLLM vs off: T1/0 1/3  pooled 0.33"
+    assert plain == ("  plain vLLM: text 1/2 TTFT p50 0.40 s ITL p50 30 ms, "
+                     "image 0/1 TTFT p50 3.00 s ITL p50 30 ms")
+    assert off.startswith("  off:        text 1/2")
