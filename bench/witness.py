@@ -219,6 +219,7 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
     :func:`kind_summary```}})`` (TTFT: seconds, client side, of the requests that got a
     first token; steps: the engine steps the server logged, :mod:`serve.steplog`, empty
     without vLLM's ``--enable-logging-iteration-details``).
+    Replays the first episode once, unscored, before the others (the engine's warm-up).
     Prints one line per episode (stdout) and counts the (episode, arm) replays on a progress
     bar (stderr)."""
     import httpx
@@ -237,6 +238,13 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
     ttfts: dict[str, dict[str, list[float]]] = {}
     steps: list[dict] = []
     kinds: dict[str, dict[str, dict]] = {}
+    # A fresh engine is slow on its first batches (kernels warm up per shape): one unscored
+    # replay of the first episode, its own salt, so that no arm draws the cold start.
+    with httpx.Client(base_url=base_url, timeout=30) as c:
+        c.post("/admin/bench/admission", json=ARMS["off"]).raise_for_status()
+    warm = build_bodies(eps[order[0]], model, salt=salt("warm-up", seed))
+    asyncio.run(replay_http(eps[order[0]], base_url, warm, drain_s=drain_s))
+    asyncio.run(drain(base_url))
     httpx.get(f"{base_url}/admin/bench/steps", timeout=30)  # only the replays' steps
     with progress_bar(len(order) * len(arms), "witness", "replay") as bar:
         for k, name in enumerate(order):
