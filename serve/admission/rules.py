@@ -31,7 +31,8 @@ RULES: dict[str, str] = {
     "ttft_fit": "the idle limit is at most the prompts prefilled within the TTFT target",
     "burst_budget": "a burst at an idle engine is admitted past the limit by prompt tokens",
     "burst_no_shed": "no SLO shedding while a burst at an idle engine is open",
-    "engine_queue_wait": "the engine queue holds at most rate x TTFT target requests",
+    "engine_queue_wait": "the engine queue holds at most rate x TTFT target requests "
+                         "(none before a rate is known)",
     "fair_below_share": "a tenant below its share of the slots is not shed for the engine "
                         "queue others filled",
 }

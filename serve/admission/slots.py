@@ -148,15 +148,16 @@ class SlotCounter:
     @property
     def capacity(self) -> int:
         """Requests admitted at most now: the limit, plus at the ceiling the engine queue
-        (``engine_queue``, at most ``completion rate x engine_queue_wait_s`` of it once the
-        rate is known: the requests that get a batch slot within that wait)."""
+        (``engine_queue``, at most ``completion rate x engine_queue_wait_s`` of it: the
+        requests that get a batch slot within that wait; none before a rate is known, as a
+        server that has not yet finished a request cannot say how long its queue takes, and
+        a flood at boot would otherwise put twice the ceiling into the engine at once)."""
         if self.ceiling is None or self._limit < self.ceiling or not self.engine_queue:
             return self._limit
         queue = self.engine_queue
         if self.engine_queue_wait_s is not None and "engine_queue_wait" not in self.ablate:
             rate = self.completion_rate()
-            if rate is not None:
-                queue = min(queue, math.floor(rate * self.engine_queue_wait_s))
+            queue = 0 if rate is None else min(queue, math.floor(rate * self.engine_queue_wait_s))
         return self._limit + queue
 
     def ahead(self) -> int:
