@@ -26,9 +26,10 @@ EPP_METRIC_FLAGS = ("total-queued-requests-metric", "kv-cache-usage-percentage-m
 
 @pytest.fixture(scope="module")
 def one_seq_server():
-    """One sequence at a time in vLLM (max_num_seqs 1, static limit 1) and one more admitted
-    into vLLM's waiting queue (engine queue 1); the rest wait at the gateway. Lenient SLO and
-    queue wait, so nothing queued is refused while the test looks."""
+    """One sequence at a time in vLLM (max_num_seqs 1, static limit 1) and, once a completion
+    rate is known, one more admitted into vLLM's waiting queue (engine queue 1); the rest
+    wait at the gateway. Lenient SLO and queue wait, so nothing queued is refused while the
+    test looks."""
     srv = start_server([
         "--autotune", "static", "--max-num-seqs", "1", "--admission-limit", "1",
         "--engine-queue", "1", "--max-queue", "4", "--max-queue-wait-s", "120",
@@ -36,6 +37,13 @@ def one_seq_server():
     ], name="one-seq-server")
     yield srv
     stop_server(srv)
+
+
+async def complete_short(client: httpx.AsyncClient, srv) -> None:
+    """One 1-token answer, to completion."""
+    body = {"model": srv.model, "max_tokens": 1,
+            "messages": [{"role": "user", "content": "Hi."}]}
+    (await client.post(f"{srv.base_url}/v1/chat/completions", json=body)).raise_for_status()
 
 
 async def stream_until_cancelled(client: httpx.AsyncClient, srv) -> None:
@@ -48,9 +56,12 @@ async def stream_until_cancelled(client: httpx.AsyncClient, srv) -> None:
 
 async def test_the_whole_queue_counts_requests_held_at_the_gateway(one_seq_server):
     """5 long requests: 1 runs, 1 waits inside vLLM, 3 wait at the gateway. vLLM's gauge says
-    1; phi3v_queued_requests says 4, in the same scrape."""
+    1; phi3v_queued_requests says 4, in the same scrape. (Two short answers first: the
+    engine queue admits nobody before the server has a completion rate.)"""
     srv = one_seq_server
     async with httpx.AsyncClient(timeout=300) as client:
+        for _ in range(2):
+            await complete_short(client, srv)
         tasks = []
         try:
             for _ in range(5):  # one at a time: the first two reach vLLM, in order
