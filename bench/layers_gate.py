@@ -204,7 +204,16 @@ def differences(baseline: dict, current: dict) -> list[str]:
     return out
 
 
-def verdict(measured: dict, baseline: dict | None, env: dict, workload: dict) -> tuple[str, int]:
+def incomparable(baseline: dict, env: dict, workload: dict) -> list[str]:
+    """What keeps ``baseline``'s figures from being compared with this run's: its environment
+    and workload against ``env`` and ``workload`` (:func:`differences`; empty: comparable)."""
+    return differences({"environment": baseline.get("environment"),
+                        "workload": baseline.get("workload")},
+                       {"environment": env, "workload": workload})
+
+
+def verdict(measured: dict, baseline: dict | None, env: dict, workload: dict,
+            reference: str | None = None) -> tuple[str, int]:
     """The gate's line and exit status.
 
     Args:
@@ -212,6 +221,8 @@ def verdict(measured: dict, baseline: dict | None, env: dict, workload: dict) ->
         baseline: the baseline file's contents (None: no baseline yet).
         env: this run's :func:`environment`.
         workload: this run's ``{"tokens", "requests"}``.
+        reference: the commit whose code ``baseline`` was recounted from here (None: the
+            stored figures), shown as ``baseline=A/B@<commit> (recounted here)``.
 
     Returns:
         ``(line, status)``: status 1 when either figure rose past :data:`TOLERANCE_PCT`
@@ -225,10 +236,10 @@ def verdict(measured: dict, baseline: dict | None, env: dict, workload: dict) ->
     base = "/".join(f"{baseline[k]:.0f}" if k.endswith("request") else f"{baseline[k]:.1f}"
                     for k in keys)
     changes = [100 * (measured[k] / baseline[k] - 1) for k in keys]
+    if reference is not None:
+        base += f"@{reference} (recounted here)"
     line += f" baseline={base} change={'/'.join(f'{c:+.2f}%' for c in changes)}"
-    stale = differences({"environment": baseline.get("environment"),
-                         "workload": baseline.get("workload")},
-                        {"environment": env, "workload": workload})
+    stale = incomparable(baseline, env, workload)
     if stale:
         return (f"{line} result=stale (counted in another environment, not compared: "
                 f"{'; '.join(stale)}; refresh with --update-baseline)"), 0
@@ -307,18 +318,18 @@ def main(argv: list[str] | None = None) -> int:
               f" baseline={args.baseline} result=updated")
         return 0
     baseline = load_baseline(args.baseline)
-    line, status = verdict(measured, baseline, env, workload)
-    commit = reference_commit(args.baseline) if "result=stale" in line else None
+    stale = incomparable(baseline, env, workload) if baseline is not None else []
+    commit = reference_commit(args.baseline) if stale else None
     if commit is not None:
         # The stored figures are from another environment: count the code they were stored
         # for here, so the gate still compares (a fresh CI machine resolves newer libraries).
         print(f"bench.layers_gate: the baseline was counted in another environment "
-              f"({line.split('not compared: ', 1)[-1].split('; refresh', 1)[0]}): counting "
-              f"its code ({commit[:8]}) here", file=sys.stderr, flush=True)
-        reference = recount_reference(commit, TOKENS, REQUESTS)
-        line, status = verdict(measured, {**reference, "workload": workload,
-                                          "environment": env}, env, workload)
-        line = line.replace(" change=", f"@{commit[:8]} (recounted here) change=", 1)
+              f"({'; '.join(stale)}): counting its code ({commit[:8]}) here",
+              file=sys.stderr, flush=True)
+        baseline = {**recount_reference(commit, TOKENS, REQUESTS), "workload": workload,
+                    "environment": env}
+    line, status = verdict(measured, baseline, env, workload,
+                           None if commit is None else commit[:8])
     print(line)
     return status
 

@@ -210,6 +210,16 @@ async def drain(base_url: str, timeout_s: float = 120.0) -> None:
     raise TimeoutError("the engine did not drain")
 
 
+def warm_up(base_url: str, trace: Trace, model: str, body_salt: str, drain_s: float) -> None:
+    """Replay ``trace`` once, unscored, with its own ``body_salt``: a fresh engine is slow on
+    its first batches (kernels warm up per shape), which no scored replay must draw. The
+    caller waits for the server to be idle after it."""
+    from bench.cpu_engine import build_bodies, replay_http
+
+    bodies = build_bodies(trace, model, salt=body_salt)
+    asyncio.run(replay_http(trace, base_url, bodies, drain_s=drain_s))
+
+
 def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
         slo, drain_s: float = 30.0) -> tuple[dict[str, dict[str, int]],
                                              dict[str, dict[str, list[float]]], list[dict],
@@ -238,12 +248,9 @@ def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
     ttfts: dict[str, dict[str, list[float]]] = {}
     steps: list[dict] = []
     kinds: dict[str, dict[str, dict]] = {}
-    # A fresh engine is slow on its first batches (kernels warm up per shape): one unscored
-    # replay of the first episode, its own salt, so that no arm draws the cold start.
     with httpx.Client(base_url=base_url, timeout=30) as c:
         c.post("/admin/bench/admission", json=ARMS["off"]).raise_for_status()
-    warm = build_bodies(eps[order[0]], model, salt=salt("warm-up", seed))
-    asyncio.run(replay_http(eps[order[0]], base_url, warm, drain_s=drain_s))
+    warm_up(base_url, eps[order[0]], model, salt("warm-up", seed), drain_s)
     asyncio.run(drain(base_url))
     httpx.get(f"{base_url}/admin/bench/steps", timeout=30)  # only the replays' steps
     with progress_bar(len(order) * len(arms), "witness", "replay") as bar:
@@ -303,11 +310,7 @@ def run_plain(base_url: str, eps: Mapping[str, Trace], seed: int, slo,
     from bench.workloads import served_model
 
     model = served_model(base_url)
-    # A fresh vLLM is slow on its first batches (kernels warm up per shape); the witness's
-    # server had every arm before. One unscored replay of the first episode, its own salt.
-    first = next(iter(eps.values()))
-    warm = build_bodies(first, model, salt=salt("plain-warm-up", seed))
-    asyncio.run(replay_http(first, base_url, warm, drain_s=drain_s))
+    warm_up(base_url, next(iter(eps.values())), model, salt("plain-warm-up", seed), drain_s)
     asyncio.run(vllm_idle(base_url))
     good: dict[str, int] = {}
     kinds: dict[str, dict] = {}
