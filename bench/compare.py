@@ -23,8 +23,10 @@ the run, so that an instance sitting a few per cent off its twin shows as noise 
 blocks, not as a verdict. A cell whose segment ran while the machine was busy elsewhere
 (:data:`MAX_STEAL`, :data:`MAX_FOREIGN_CPU`) is run again at the end, at most
 :data:`MAX_RERUNS` times. Each segment is appended to the ledger as it ends
-(:mod:`bench.verdict` reads it); when the verdict is **inconclusive** the run adds
-:data:`EXTENSION_BLOCKS` blocks, at most :data:`MAX_EXTENSIONS` times, then judges.
+(:mod:`bench.verdict` reads it); when more blocks could settle the verdict (it is
+**inconclusive**, or unresolved only by A/A intervals whose estimate lies inside the band:
+:attr:`bench.verdict.Verdict.wants_more_blocks`) the run adds :data:`EXTENSION_BLOCKS`
+blocks, at most :data:`MAX_EXTENSIONS` times, then judges.
 
 Per segment: requests/s, output tokens/s, TTFT p50 and mean (client side), vLLM's engine-side
 mean TTFT (``/metrics``: the difference is what the HTTP path in front of the engine adds),
@@ -128,7 +130,8 @@ MAX_STEAL = 0.05
 MAX_FOREIGN_CPU = 0.10
 #: Times a flagged (block, cell) row is run again, at the end (issue 31: at most twice).
 MAX_RERUNS = 2
-#: Blocks added when the verdict is inconclusive, and how many times (issue 31: 4, twice).
+#: Blocks added when more blocks could settle the verdict, and how many times (issue 31: 4,
+#: twice).
 EXTENSION_BLOCKS, MAX_EXTENSIONS = 4, 2
 DEFAULT_LEDGER = ROOT / "bench" / "results" / "ledger.jsonl"
 
@@ -660,8 +663,9 @@ def main(argv: list[str] | None = None) -> int:
                 pending: list = []
                 run_blocks(run, arms, half, blocks, inputs, pending, bar, total_blocks)
                 reruns += rerun_flagged(run, arms, half, pending, inputs, bar)
-                reported[f"half{half}"] = report_half(arms, inputs, args.seed + half, args.full,
-                                                      bar)
+                if half < len(halves) - 1:
+                    reported[f"half{half}"] = report_half(arms, inputs, args.seed + half,
+                                                          args.full, bar)
             next_block, extensions = args.blocks, 0
             while not args.no_extend and extensions < MAX_EXTENSIONS:
                 # This run's blocks so far, with its peaks so far (its run record comes last).
@@ -669,11 +673,11 @@ def main(argv: list[str] | None = None) -> int:
                                      if r.get("run") == run.run_id),
                                    {"kind": "run", "run": run.run_id,
                                     "rss_peak_mib": dict(rss.peak_mib)}])
-                if verdict.result != "inconclusive":
+                if not verdict.wants_more_blocks:
                     break
                 extensions += 1
                 blocks = range(next_block, next_block + EXTENSION_BLOCKS)
-                say(f"inconclusive: {EXTENSION_BLOCKS} more blocks ({extensions} of "
+                say(f"{verdict.result}: {EXTENSION_BLOCKS} more blocks ({extensions} of "
                     f"{MAX_EXTENSIONS})")
                 total_blocks = blocks.stop
                 bar.total += EXTENSION_BLOCKS * per_block
@@ -682,6 +686,10 @@ def main(argv: list[str] | None = None) -> int:
                 run_blocks(run, arms, 1, blocks, inputs, pending, bar, total_blocks)
                 reruns += rerun_flagged(run, arms, 1, pending, inputs, bar)
                 next_block = blocks.stop
+            # The last half reports after its added blocks: the reported cells load ours
+            # and raw but not raw2, which would tilt the A/A of a block run after them.
+            reported[f"half{len(halves) - 1}"] = report_half(
+                arms, inputs, args.seed + len(halves) - 1, args.full, bar)
             bar.set_description("stopping the servers")
             bar.set_postfix_str("")
         finally:

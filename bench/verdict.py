@@ -120,6 +120,13 @@ class Check:
         """Whether the whole interval lies inside the band (False without an interval)."""
         return self.band[0] <= self.lo and self.hi <= self.band[1]
 
+    @property
+    def straddles(self) -> bool:
+        """Whether the interval is not inside the band but its estimate is: more blocks
+        narrow it and may bring it inside, where an estimate outside the band (two servers
+        that really differ) stays outside however many blocks run."""
+        return not self.inside and self.band[0] <= self.estimate <= self.band[1]
+
 
 @dataclass
 class Verdict:
@@ -137,6 +144,16 @@ class Verdict:
     burst_non200: int = 0
     rss: float = NAN
     commits: list[str] = field(default_factory=list)
+
+    @property
+    def wants_more_blocks(self) -> bool:
+        """Whether more blocks could settle this verdict: it is inconclusive (a target's
+        interval straddles its margin), or unresolved only by A/A intervals that straddle
+        their bands (:attr:`Check.straddles`). :mod:`bench.compare` then adds blocks."""
+        if self.result == "inconclusive":
+            return True
+        return self.result == "unresolved" and all(c.inside or c.straddles
+                                                   for c in self.validity)
 
 
 def read_ledger(path: Path | str) -> list[dict]:

@@ -31,7 +31,7 @@ def ledger(n_blocks=9, speed=0.99, raw2=1.0, noise=0.005, run="r1", commit="a" *
     """A synthetic run's records: every cell, every arm, in every block.
 
     ``speed`` (a number, or a function of the block's index): ours' throughput over raw's
-    (ours' latencies are raw's / speed); ``raw2``: the A/A arm's throughput over raw's. Each
+    (ours' latencies are raw's / speed); ``raw2`` (the same): the A/A arm's over raw's. Each
     block has its own machine speed (shared by the arms, as in a blocked design) and each
     segment its own multiplicative noise. Ours is ahead on history (0.6x) and photo (0.9x),
     adds 0.5 ms in front of the engine and 0.1 ms API CPU per request.
@@ -42,7 +42,7 @@ def ledger(n_blocks=9, speed=0.99, raw2=1.0, noise=0.005, run="r1", commit="a" *
         machine = 1 + 0.2 * rng.random()
         s = speed(b) if callable(speed) else speed
         for arm in ARMS:
-            f = {"ours": s, "raw": 1.0, "raw2": raw2}[arm]
+            f = {"ours": s, "raw": 1.0, "raw2": raw2(b) if callable(raw2) else raw2}[arm]
 
             def jit(x, f=f):
                 return x * f * (1 + noise * rng.gauss(0, 1))
@@ -167,12 +167,30 @@ def test_aa_control_off_by_ten_percent_is_unresolved():
     assert " valid=no " in verdict.verdict_line(v)
 
 
+def test_a_noisy_a_a_control_asks_for_more_blocks_a_biased_one_does_not():
+    # raw2 at 1 +- 8 % block to block: unbiased, but after 9 blocks its intervals reach past
+    # the bands. More blocks narrow them; a control 10 % off stays outside however many run.
+    noisy = verdict.judge(ledger(raw2=lambda b: 1.08 if b % 2 else 1 / 1.08))
+    assert noisy.result == "unresolved"
+    wide = [c for c in noisy.validity if not c.inside]
+    assert wide and all(c.straddles for c in wide) and noisy.wants_more_blocks
+    biased = verdict.judge(ledger(raw2=0.90))
+    assert biased.result == "unresolved" and not biased.wants_more_blocks
+    assert any(not c.inside and not c.straddles for c in biased.validity)
+    assert not verdict.judge(ledger(speed=0.99)).wants_more_blocks  # a pass is settled
+    # The same control over 17 blocks (9 and the two extensions of 4): inside every band.
+    settled = verdict.judge(ledger(n_blocks=17, raw2=lambda b: 1.08 if b % 2 else 1 / 1.08))
+    assert settled.valid and settled.result == "pass", [c for c in settled.validity
+                                                        if not c.inside]
+
+
 def test_straddling_the_margin_is_inconclusive():
     # Ours at 0.97 +- 0.02 block to block: the pooled interval straddles its 0.97 margin.
     v = verdict.judge(ledger(speed=lambda b: 0.97 + (0.02 if b % 2 else -0.02), noise=0.002))
     t = v.targets["throughput"]
     assert v.valid and t.lo < verdict.POOLED_THROUGHPUT_MIN < t.hi
     assert t.verdict == "inconclusive" and v.result == "inconclusive"
+    assert v.wants_more_blocks
     assert "fail" not in {x.verdict for x in v.targets.values()}
 
 
