@@ -5,12 +5,16 @@ holds, and restored on idle to what the recent traffic fits.
 
 - **Decrease** multiplicatively (``limit x decrease_factor``) on any sign of overload
   (:meth:`Controller.overload_reason`): a preemption since the last tick, KV-cache usage at or
-  above ``kv_high_ratio``, the engine-side TTFT p90 over its target, or the p90 of the
-  finished requests' mean inter-token latency (TPOT) over the ITL target.
+  above ``kv_high_ratio``, the engine-side TTFT p90 over its target, the p90 of the
+  finished requests' mean inter-token latency (TPOT) over the ITL target, or the mean token
+  gap of the last seconds (``Signals.itl_now_s``) over it: the TPOT shows a limit only when
+  the requests it admitted finish, the gaps at the next engine step.
 - **Increase** additively (``max(1, ceil(limit x increase_ratio))``, at most ``max_step``)
   only when the limit is what binds (in flight >= limit), requests are queued at the gateway,
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
-  saturated); never past the **KV fit** (:func:`serve.admission.fits.kv_fit`: what the
+  saturated); after a latency cut, until the next idle restore, by
+  :data:`SLOW_PROBE_RATIO` of it (the limit that overloaded lies just above);
+  never past the **KV fit** (:func:`serve.admission.fits.kv_fit`: what the
   cache holds at the running requests' mean size; past it vLLM preempts).
 - **Restore** on idle (nothing in flight or queued, nothing arrived since the last sample):
   the limit becomes :meth:`Controller.idle_limit`, the boot figure (``start``, the KV-safe
@@ -51,6 +55,12 @@ from dataclasses import asdict, dataclass, field
 from serve.admission import fits
 from serve.admission.rules import check as check_rules
 from serve.admission.signals import Decision, Direction, Signals
+
+#: A probe's step after a latency cut, as a fraction of the limit (rule ``slow_probe``):
+#: one request at the CPU's limits, a few per decision at a GPU's hundreds, so that a cut on
+#: a transient is won back within a minute (TCP's congestion avoidance adds one segment per
+#: round trip after a loss, RFC 5681; a decision is not a round trip here).
+SLOW_PROBE_RATIO = 0.05
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,10 @@ class Controller:
     kv_tokens: int | None = field(default=None, init=False)
     decisions: deque = field(init=False)
 
+    #: Monotonic time of the last SLO cut and of the last idle restore (seconds).
+    _slo_cut_t: float = field(default=-math.inf, init=False)
+    _idle_t: float = field(default=-math.inf, init=False)
+
     def __post_init__(self) -> None:
         self.limit = self.start = self._clamp(self.limit)
         self.decisions = deque(maxlen=self.history)
@@ -148,6 +162,7 @@ class Controller:
         """Back to the boot state: the limit is ``start`` again, no decisions kept."""
         self.limit = self.start
         self.decisions.clear()
+        self._slo_cut_t = self._idle_t = -math.inf
 
     def set_capacity(self, kv_tokens: int | None) -> None:
         """The engine's KV-cache capacity in tokens (vLLM's ``num_gpu_blocks x block_size``),
@@ -217,6 +232,8 @@ class Controller:
             return "slo_ttft"
         if s.itl_p90_s is not None and s.itl_p90_s > c.itl_target_s:
             return "slo_itl"
+        if c.on("itl_now") and s.itl_now_s is not None and s.itl_now_s > c.itl_target_s:
+            return "slo_itl"
         return None
 
     def has_headroom(self, s: Signals) -> bool:
@@ -226,6 +243,8 @@ class Controller:
         c = self.config
         ttft_ok = s.ttft_p90_s is None or s.ttft_p90_s < c.headroom * c.ttft_target_s
         itl_ok = s.itl_p90_s is None or s.itl_p90_s < c.headroom * c.itl_target_s
+        if c.on("itl_now") and s.itl_now_s is not None:
+            itl_ok = itl_ok and s.itl_now_s < c.headroom * c.itl_target_s
         gpu_ok = s.gpu_utilization is None or s.gpu_utilization < c.gpu_busy_ratio
         return ttft_ok and itl_ok and gpu_ok
 
@@ -248,7 +267,11 @@ class Controller:
             if new == old:
                 reason = "bound"
         elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s):
-            new = self._clamp(old + min(c.max_step, max(1, math.ceil(old * c.increase_ratio))))
+            step = min(c.max_step, max(1, math.ceil(old * c.increase_ratio)))
+            if c.on("slow_probe") and self._slo_cut_t > self._idle_t:
+                # Past a latency cut the limit that overloaded lies close above.
+                step = max(1, math.ceil(old * SLOW_PROBE_RATIO))
+            new = self._clamp(old + step)
             reason = "demand"
             fit = self.kv_fit(s)
             if fit is not None and new > fit:
@@ -260,10 +283,13 @@ class Controller:
             # Idle: nothing in flight or queued, and nothing arrived since the last sample
             # (a server shedding every arrival under overload is empty, not idle).
             new = self.idle_limit(s)
+            self._idle_t = s.t
             direction = "up" if new > old else "down" if new < old else "hold"
             reason = "idle"
         else:
             new, direction, reason = old, "hold", "steady"
+        if new < old and reason in ("slo_ttft", "slo_itl"):
+            self._slo_cut_t = s.t
         self.limit = new
         decision = Decision(s.t, old, new, direction, reason)
         self.decisions.append(decision)

@@ -3,8 +3,8 @@
 vLLM calls every stat logger's ``record(scheduler_stats, iteration_stats)`` after each engine
 step, in the API process (``vllm/v1/metrics/loggers.py``). :class:`EngineStatsFeed` keeps what
 the controller needs: the scheduler's running/waiting counts and KV-cache usage, preemptions,
-TTFT/TPOT samples in a sliding window, the recent requests' mean sizes and the prefill rate
-a burst showed. No HTTP scrape, no parsing.
+TTFT/TPOT samples in a sliding window, the mean token gap of the last seconds, the recent
+requests' mean sizes and the prefill rate a burst showed. No HTTP scrape, no parsing.
 """
 
 from __future__ import annotations
@@ -63,6 +63,13 @@ class SlidingWindow:
         while self._batches and self._batches[0][0] < cutoff:
             self._count -= len(self._batches.popleft()[1])
 
+    def mean(self) -> float | None:
+        """Mean of the samples in the window, None when empty."""
+        self._prune()
+        if not self._count:
+            return None
+        return sum(sum(b) for _, b in self._batches) / self._count
+
     def __len__(self) -> int:
         self._prune()
         return self._count
@@ -85,6 +92,11 @@ def stalled_s(now: float, last_step_s: float | None, busy_since_s: float | None)
 #: Finished requests whose size the feed averages (requests): enough for a stable mean of a
 #: mixed workload, few enough that a change of traffic shows within a couple of bursts.
 REQUEST_TOKENS_SAMPLES = 128
+
+
+#: Seconds of single token gaps whose mean is the leading ITL (:attr:`EngineStatsFeed.
+#: itl_now_s`): a couple of autotuner ticks.
+GAPS_WINDOW_S = 2.0
 
 
 #: Seconds within which requests count as one burst (arrived together at an idle engine).
@@ -147,6 +159,7 @@ class EngineStatsFeed:
         self.tpot = SlidingWindow(self.window_s, self.clock)
         self.request_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
         self.prompt_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
+        self.gaps = SlidingWindow(GAPS_WINDOW_S, self.clock)
 
     def forget(self) -> None:
         """Drop what the traffic taught (latency windows, recent sizes, the prefill rate): the
@@ -172,6 +185,13 @@ class EngineStatsFeed:
         if not self.prompt_tokens:
             return None
         return sum(self.prompt_tokens) / len(self.prompt_tokens)
+
+    @property
+    def itl_now_s(self) -> float | None:
+        """Mean of the single token gaps of the last :data:`GAPS_WINDOW_S` seconds: the
+        mean inter-token latency the running requests get now, which their TPOT (a mean of
+        their own gaps) will show only when they finish. None without gaps."""
+        return self.gaps.mean()
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -250,6 +270,7 @@ class EngineStatsFeed:
             self._burst_prefill(now, idle_before, iteration_stats)
             self.preemptions_total += iteration_stats.num_preempted_reqs
             self.ttft.extend(iteration_stats.time_to_first_tokens_iter)
+            self.gaps.extend(iteration_stats.inter_token_latencies_iter)
             tpots = []
             for done in iteration_stats.finished_requests:
                 self.request_tokens.append(done.num_prompt_tokens + done.num_generation_tokens)

@@ -152,6 +152,7 @@ class AutotuneLoop:
             mean_request_tokens=self.feed.mean_request_tokens,
             mean_prompt_tokens=self.feed.mean_prompt_tokens,
             prefill_tokens_per_s=self.feed.prefill_tokens_per_s,
+            itl_now_s=self.feed.itl_now_s,
             gpu_utilization=self.gpu.read(),
         )
 

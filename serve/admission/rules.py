@@ -33,6 +33,9 @@ RULES: dict[str, str] = {
     "burst_no_shed": "no SLO shedding while a burst at an idle engine is open",
     "engine_queue_wait": "the engine queue holds at most rate x TTFT target requests "
                          "(none before a rate is known)",
+    "slow_probe": "after a latency cut (until idle) a probe adds 5 % of the limit (at least "
+                  "one request), not a quarter",
+    "itl_now": "the mean token gap of the last seconds counts as an ITL signal",
     "fair_below_share": "a tenant below its share of the slots is not shed for the engine "
                         "queue others filled",
 }

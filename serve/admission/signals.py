@@ -42,6 +42,8 @@ class Signals:
             the first.
         prefill_tokens_per_s: prompt tokens/s the engine prefilled on the last burst
             (:class:`~serve.admission.engine_stats.EngineStatsFeed`), None before one.
+        itl_now_s: mean of the single token gaps of the last seconds, seconds (the running
+            streams' inter-token latency now; None: no gaps).
     """
 
     t: float
@@ -58,6 +60,7 @@ class Signals:
     mean_request_tokens: float | None = None
     mean_prompt_tokens: float | None = None
     prefill_tokens_per_s: float | None = None
+    itl_now_s: float | None = None
 
 
 @dataclass(frozen=True)

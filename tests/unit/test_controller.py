@@ -65,6 +65,38 @@ def test_decrease_on_slo_breach_ttft_and_itl_and_kv():
     assert c.limit == 13
 
 
+def test_the_token_gaps_of_running_streams_cut_before_any_request_finishes():
+    """``itl_now``: the mean token gap of the last seconds over the ITL target cuts although
+    no finished request's TPOT is known yet; between headroom and target it holds (no
+    probe); ablated, neither."""
+    c = Controller(CFG, limit=32)
+    d = c.step(busy(0, 32, itl_p90_s=None, itl_now_s=0.12))
+    assert (d.direction, d.reason, d.new_limit) == ("down", "slo_itl", 24)
+    assert c.step(busy(2, 24, itl_now_s=0.08)).reason == "steady"  # 0.7 x 0.1 < 0.08 < 0.1
+    assert c.step(busy(4, 24, itl_now_s=0.05)).reason == "demand"
+    off = Controller(dataclasses.replace(CFG, ablate=frozenset({"itl_now"})), limit=32)
+    assert off.step(busy(0, 32, itl_p90_s=None, itl_now_s=0.12)).reason == "demand"
+
+
+def test_after_a_latency_cut_the_probe_creeps_until_idle():
+    """``slow_probe``: past a latency cut the limit that overloaded is close above, so each
+    probe adds SLOW_PROBE_RATIO of the limit, at least one request, until an idle restore; a
+    cut for KV pressure does not switch it on; ablated, probes stay 25 %."""
+    c = Controller(CFG, limit=40)
+    assert c.step(busy(0, 40, kv_cache_usage=0.97)).reason == "kv_cache"
+    assert c.step(busy(2, 30)).new_limit == 30 + 8  # ceil(30 x 0.25)
+    assert c.step(busy(4, 38, ttft_p90_s=1.5)).new_limit == 28
+    limits = [c.step(busy(6 + 2 * i, c.limit)).new_limit for i in range(3)]
+    assert limits == [30, 32, 34]  # ceil(0.05 x 28) = 2
+    assert c.step(Signals(t=20, arrivals=0)).reason == "idle"
+    before = c.limit
+    assert c.step(busy(22, before)).new_limit == min(64, before + max(
+        1, min(CFG.max_step, -(-before // 4))))
+    off = Controller(dataclasses.replace(CFG, ablate=frozenset({"slow_probe"})), limit=40)
+    off.step(busy(0, 40, ttft_p90_s=1.5))
+    assert off.step(busy(2, 30)).new_limit == 38
+
+
 def test_bounds_honoured():
     c = Controller(CFG, limit=1000)
     assert c.limit == 64
