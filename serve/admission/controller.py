@@ -146,7 +146,8 @@ class Controller:
     kv_tokens: int | None = field(default=None, init=False)
     decisions: deque = field(init=False)
 
-    #: Monotonic time of the last SLO cut and of the last idle restore (seconds).
+    #: Monotonic time of the last latency cut (``slo_ttft``, ``slo_itl``) and of the last
+    #: idle restore (seconds): rule ``slow_probe``.
     _slo_cut_t: float = field(default=-math.inf, init=False)
     _idle_t: float = field(default=-math.inf, init=False)
 

@@ -95,7 +95,8 @@ REQUEST_TOKENS_SAMPLES = 128
 
 
 #: Seconds of single token gaps whose mean is the leading ITL (:attr:`EngineStatsFeed.
-#: itl_now_s`): a couple of autotuner ticks.
+#: itl_now_s`): the autotuner's default interval (``--autotune-interval-s``), so each
+#: decision reads the gaps since the one before.
 GAPS_WINDOW_S = 2.0
 
 
