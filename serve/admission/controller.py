@@ -146,10 +146,9 @@ class Controller:
     kv_tokens: int | None = field(default=None, init=False)
     decisions: deque = field(init=False)
 
-    #: Monotonic time of the last latency cut (``slo_ttft``, ``slo_itl``) and of the last
-    #: idle restore (seconds): rule ``slow_probe``.
-    _slo_cut_t: float = field(default=-math.inf, init=False)
-    _idle_t: float = field(default=-math.inf, init=False)
+    #: A latency cut (``slo_ttft``, ``slo_itl``) came after the last idle restore: rule
+    #: ``slow_probe``.
+    _cut_since_idle: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.limit = self.start = self._clamp(self.limit)
@@ -163,7 +162,7 @@ class Controller:
         """Back to the boot state: the limit is ``start`` again, no decisions kept."""
         self.limit = self.start
         self.decisions.clear()
-        self._slo_cut_t = self._idle_t = -math.inf
+        self._cut_since_idle = False
 
     def set_capacity(self, kv_tokens: int | None) -> None:
         """The engine's KV-cache capacity in tokens (vLLM's ``num_gpu_blocks x block_size``),
@@ -269,7 +268,7 @@ class Controller:
                 reason = "bound"
         elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s):
             step = min(c.max_step, max(1, math.ceil(old * c.increase_ratio)))
-            if c.on("slow_probe") and self._slo_cut_t > self._idle_t:
+            if c.on("slow_probe") and self._cut_since_idle:
                 # Past a latency cut the limit that overloaded lies close above.
                 step = max(1, math.ceil(old * SLOW_PROBE_RATIO))
             new = self._clamp(old + step)
@@ -284,13 +283,13 @@ class Controller:
             # Idle: nothing in flight or queued, and nothing arrived since the last sample
             # (a server shedding every arrival under overload is empty, not idle).
             new = self.idle_limit(s)
-            self._idle_t = s.t
+            self._cut_since_idle = False
             direction = "up" if new > old else "down" if new < old else "hold"
             reason = "idle"
         else:
             new, direction, reason = old, "hold", "steady"
         if new < old and reason in ("slo_ttft", "slo_itl"):
-            self._slo_cut_t = s.t
+            self._cut_since_idle = True
         self.limit = new
         decision = Decision(s.t, old, new, direction, reason)
         self.decisions.append(decision)
