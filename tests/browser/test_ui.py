@@ -71,15 +71,23 @@ async def chat(browser, ui) -> ChatPage:
 
 @pytest.fixture(scope="module")
 async def image_chat(chat, server):
-    """A finished image chat: chelsea.png + a question, the answer sampled while streaming."""
-    await chat.new_chat()
-    await chat.attach(IMAGES / "chelsea.png")
-    await chat.wait_attached(1)
-    question = f"What is in this image? ({uuid.uuid4().hex[:6]})"
-    first_event = len(chat.events)
-    await chat.send(question)
-    samples, final = await chat.sample_answer(after=0)
-    tokens = chat.tokens_since(first_event)
+    """A finished image chat: chelsea.png + a question, the answer sampled while streaming.
+
+    Asked up to three times, each in a new chat, until the answer reached the browser in two
+    pieces or more: one piece is a legal stream (the tiny model may stop after a token or two,
+    and vLLM joins the deltas of a request whose output handler fell behind, which a busy
+    2-core machine does), but then it shows nothing about streaming."""
+    for _ in range(3):
+        await chat.new_chat()
+        await chat.attach(IMAGES / "chelsea.png")
+        await chat.wait_attached(1)
+        question = f"What is in this image? ({uuid.uuid4().hex[:6]})"
+        first_event = len(chat.events)
+        await chat.send(question)
+        samples, final = await chat.sample_answer(after=0)
+        tokens = chat.tokens_since(first_event)
+        if len(tokens) >= 2:
+            break
     await chat.page.locator(ChatPage.USER).locator("img").first.wait_for()
     ARTIFACTS.mkdir(exist_ok=True)
     await chat.page.screenshot(path=str(ARTIFACTS / "ui-chat.png"))
@@ -107,7 +115,8 @@ async def test_image_answer_streams_in_and_shows_statistics(image_chat):
     samples, final, tokens = image_chat["samples"], image_chat["final"], image_chat["tokens"]
     # Streamed: the browser received the answer as several stream_token events (the tiny
     # model can finish 24 tokens between two DOM samples, so the page's own growth is only
-    # checked when a sample caught it mid-way), and rendered exactly their concatenation.
+    # checked when a sample caught it mid-way), and rendered exactly their concatenation; in
+    # one of the fixture's three tries, the others' single pieces being legal streams too.
     assert len(tokens) >= 2, f"answer not streamed: {tokens!r}"
     # The page renders the answer as markdown, and the tiny model's text is random: Chainlit's
     # remark-directive takes ":name" for a text directive and drops it, "<name>" may be taken
