@@ -4,6 +4,7 @@ scope keys the layers share, and the one ``send`` wrapper of a response
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Generator
 from typing import Protocol
 
@@ -26,7 +27,8 @@ class Gate(Protocol):
     """What :meth:`ResponseChannel.gate` takes: a filter in front of a response's observers."""
 
     def passes(self, message: Message) -> bool:
-        """Whether ``message`` goes on as it is (a plain call, run on every message)."""
+        """Whether ``message`` is an ordinary token chunk of a stream, which goes on as it is
+        and is only counted (a plain call, run on every message)."""
 
     async def handle(self, message: Message) -> None:
         """Deal with a message :meth:`passes` held back, sending what it decides through
@@ -38,36 +40,47 @@ class ResponseChannel:
     front of the server's ``send`` however many layers watch or change the response.
 
     A layer that wrapped ``send`` added a coroutine call to every message, and a streamed
-    answer is one message per token: ~0.13 us per layer and token on the CPU machine
-    (micro-benchmark), besides the layer's own work, on the event loop that streams every
-    answer, where the layers' ~3 us per token (``python -m bench.layers``) become ~5x that
-    beside the engine's threads (``README.md``). A layer now registers plain functions instead:
+    answer is one message per token, on the event loop that streams every answer. A layer
+    registers plain functions instead:
 
-    - :meth:`gate`: one filter that sees each message the app sends first; a plain
-      ``passes(message)`` lets it on, else ``await handle(message)`` decides what goes on (the
-      stream guard: a token chunk passes, the end and errors are handled);
-    - :meth:`observe`: ``observer(message) -> bool`` sees every message that passes the gate
-      or that the gate delivers (start and body), before the head hooks; True drops the
-      message (an answer the server has already ended);
+    - :meth:`gate`: one filter that sees each message the app sends first. A token chunk
+      (``passes(message)`` true: the stream guard's O(1) test) goes straight to the server's
+      ``send`` and is counted (:attr:`tokens`, :attr:`first_token_s`); any other message is
+      handed to ``await handle(message)``, which sends what it decides through :meth:`deliver`;
+    - :meth:`observe`: ``observer(message) -> bool`` sees every message :meth:`deliver`
+      sends (all of them without a gate, all but the token chunks with one), before the
+      head hooks; True drops the message;
     - :meth:`on_head`: ``hook(message) -> message``, applied to ``http.response.start``
-      (response headers, status accounting), in registration order.
+      (response headers, status accounting), in registration order;
+    - :meth:`close`: the server ended the answer; what the app sends after is dropped.
 
-    A streamed token thus costs plain calls only: the channel itself is a plain call that
-    returns the server's ``send`` awaitable (:meth:`__call__`; it was a coroutine, one frame
-    per token, the largest share of ours in py-spy's samples of the API process at text c=64;
-    ``python -m bench.layers``: 2.15-2.25 us per token before, 1.77-2.17 after, on a noisy
-    machine). :meth:`emit`
-    sends a layer's own message past the gate and the observers (the head hooks still
-    apply). Get a channel with :func:`response_channel`.
+    A streamed token thus costs two plain calls (this one and the gate's test) and no
+    observer: the channel is a plain call that returns the server's ``send`` awaitable
+    (:meth:`__call__`), so ``await channel(message)`` awaits the server's ``send``
+    directly (as vLLM's own ``ScalingMiddleware`` passes its app's awaitable on), and the
+    count replaces a timestamp per token for what the observers need of tokens (their
+    number, the first one's time). :meth:`emit` sends a layer's own message past the gate
+    and the observers (the head hooks still apply). Get a channel with
+    :func:`response_channel`.
+
+    Attributes:
+        tokens: token chunks the gate passed (not seen by the observers).
+        first_token_s: ``clock()`` when the first of them passed (None: none yet).
+        clock: monotonic clock, seconds (an observer that times the answer sets its own).
     """
 
-    __slots__ = ("_send", "_head_hooks", "_observers", "_gate")
+    __slots__ = ("_send", "_head_hooks", "_observers", "_gate", "_closed", "tokens",
+                 "first_token_s", "clock")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, clock: Callable[[], float] = time.monotonic) -> None:
         self._send = send
         self._head_hooks: list[Callable[[Message], Message]] = []
         self._observers: list[Callable[[Message], bool]] = []
         self._gate: Gate | None = None
+        self._closed = False
+        self.tokens = 0
+        self.first_token_s: float | None = None
+        self.clock = clock
 
     def on_head(self, hook: Callable[[Message], Message]) -> None:
         self._head_hooks.append(hook)
@@ -85,16 +98,26 @@ class ResponseChannel:
             raise ValueError("this response already has a gate")
         self._gate = gate
 
+    def close(self) -> None:
+        """Drop every message the app sends from now on (the server ended the answer with
+        :meth:`emit`)."""
+        self._closed = True
+
     def __call__(self, message: Message) -> Awaitable[None]:
         """``send(message)``: a plain call that returns the awaitable of what goes on (the
         server's ``send``, the gate's ``handle``), so a streamed token costs no coroutine
-        frame of ours: ``await channel(message)`` awaits the server's ``send`` directly (as
-        vLLM's own ``ScalingMiddleware`` passes its app's awaitable on). ASGI asks only that
-        ``send`` be awaitable."""
+        frame of ours. ASGI asks only that ``send`` be awaitable."""
+        if self._closed:
+            return _DROPPED
         gate = self._gate
-        if gate is not None and not gate.passes(message):
+        if gate is not None:
+            if gate.passes(message):  # a token chunk: counted, straight on
+                if not self.tokens:
+                    self.first_token_s = self.clock()
+                self.tokens += 1
+                return self._send(message)
             return gate.handle(message)
-        # deliver(), inlined: this runs on every streamed token.
+        # deliver(), inlined: a plain call here too.
         for observer in self._observers:
             if observer(message):
                 return _DROPPED
@@ -105,6 +128,8 @@ class ResponseChannel:
     async def deliver(self, message: Message) -> None:
         """Send ``message`` past the gate: the observers see it, then the head hooks apply
         (what a gate sends on)."""
+        if self._closed:
+            return
         for observer in self._observers:
             if observer(message):
                 return

@@ -196,7 +196,7 @@ def no_buffering(headers) -> list[tuple[bytes, bytes]]:
 
 class _Guard:
     """The guard of one response: the gate of its :class:`~serve.asgi.ResponseChannel`
-    (a token chunk passes in :meth:`passes`, a plain call; the rest is :meth:`handle`d)."""
+    (a token chunk passes in :meth:`passes`, a plain call; the rest goes to :meth:`handle`)."""
 
     __slots__ = ("channel", "sse", "incomplete_event", "stream", "finished")
 
@@ -209,13 +209,15 @@ class _Guard:
         self.finished = False  # its last message was sent
 
     def passes(self, message: Message) -> bool:
+        """Whether ``message`` is an ordinary chat/completions chunk of a started stream
+        (:func:`ordinary_chunk`), which goes on as vLLM sent it; everything else (the start,
+        the end, an answer that is no stream, Responses events) goes to :meth:`handle`."""
         stream = self.stream
-        if stream is None:  # the start is looked at; the body of any other answer passes
-            return message["type"] != "http.response.start"
         # The hot path: one ordinary token chunk goes on as vLLM sent it. (Its event is not
         # counted: the count numbers Responses events, which never take this path.)
-        if not (stream.sse.chunks and not stream.buffer and not stream.closed
-                and message["type"] == "http.response.body" and message.get("more_body", False)):
+        if stream is None or not (stream.sse.chunks and not stream.buffer and not stream.closed
+                                  and message["type"] == "http.response.body"
+                                  and message.get("more_body", False)):
             return False
         chunk = message.get("body", b"")
         # ordinary_chunk's O(1) token test, inlined (no Python call per token); any other

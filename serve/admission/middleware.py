@@ -44,14 +44,24 @@ from serve.tenants import ANONYMOUS, TENANT_SCOPE_KEY, USER_SCOPE_KEY
 
 @dataclass(eq=False)  # identity: the middleware keeps the open ones in a set
 class ResponseTracker:
-    """Watches one response's ASGI messages: status, chunk times, completion; and can end
-    the answer early (:meth:`cut`)."""
+    """Watches one response's ASGI messages: status, chunk count and times, completion; and
+    can end the answer early (:meth:`cut`).
+
+    The chunks of a streamed answer are counted where they pass: the ordinary token chunks
+    by the response's channel (its gate passes them without observers:
+    :class:`~serve.asgi.ResponseChannel`), the rest here. A stream's first chunk and its
+    last (vLLM's role chunk, or the channel's first token; the finish chunk and the end
+    marker, never token chunks) bound the answer's time.
+    """
 
     arrival: float
     clock: Callable[[], float]
     status: int | None = None
     streaming: bool = False
-    chunk_times: list[float] = field(default_factory=list)
+    #: Body chunks seen here (a stream's chunks other than the channel's token chunks).
+    chunks: int = 0
+    first_chunk_s: float | None = None
+    last_chunk_s: float | None = None
     done_marker: bool = False
     finished: bool = False
     client_left: bool = False
@@ -61,6 +71,18 @@ class ResponseTracker:
     #: The server ended the answer early (:meth:`cut`); what the app sends after is dropped.
     is_cut: bool = False
     _channel: ResponseChannel | None = field(default=None, repr=False)
+
+    def chunk_span(self) -> tuple[int, float | None, float | None]:
+        """(chunks, first chunk's clock time, last chunk's clock time) of the answer, the
+        channel's token chunks included (times None: no chunk)."""
+        channel = self._channel
+        tokens = channel.tokens if channel is not None else 0
+        first, last = self.first_chunk_s, self.last_chunk_s
+        if tokens:
+            token_s = channel.first_token_s
+            first = token_s if first is None else min(first, token_s)
+            last = token_s if last is None else last
+        return self.chunks + tokens, first, last
 
     def watch(self, receive: Receive, request_state: dict | None = None) -> Receive:
         """``receive`` that notes a client disconnect seen before the answer was sent in full
@@ -77,29 +99,30 @@ class ResponseTracker:
 
     def attach(self, channel: ResponseChannel) -> ResponseChannel:
         """Record the answer as it goes to the client (until :meth:`cut`): an observer on
-        ``channel`` (:class:`~serve.asgi.ResponseChannel`), which drops what the app sends
-        after a cut. Returns ``channel``."""
+        ``channel`` (:class:`~serve.asgi.ResponseChannel`), whose token count is part of the
+        answer's, on this tracker's clock. Returns ``channel``."""
         self._channel = channel
-        sse, times, clock = self.sse, self.chunk_times, self.clock
-        # This runs for every streamed token, so a chat stream's two tests are inlined (no
-        # Python call each): every chat event carries tokens (``SseDialect.tokens`` empty),
-        # and its end is the suffix ``SseDialect.has_done`` tests for.
+        channel.clock = self.clock
+        sse, clock = self.sse, self.clock
+        # Every chat event carries tokens (``SseDialect.tokens`` empty), and its end is the
+        # suffix ``SseDialect.has_done`` tests for: inlined, no Python call each.
         every_event = not sse.tokens
         chat_end = CHAT_END if sse.chunks else None
 
         def tracked(message: Message) -> bool:
-            if self.is_cut:
-                return True
             if message["type"] == "http.response.body":
                 chunk = message.get("body", b"")
                 if chunk:
+                    if not self.streaming or every_event or sse.carries_tokens(chunk):
+                        now = clock()
+                        if self.first_chunk_s is None:
+                            self.first_chunk_s = now
+                        self.last_chunk_s = now
+                        self.chunks += 1
                     if not self.streaming:
-                        times.append(clock())
                         if len(self.body) < 1 << 20:
                             self.body.extend(chunk)
                     else:
-                        if every_event or sse.carries_tokens(chunk):
-                            times.append(clock())
                         if not self.done_marker:
                             self.done_marker = (chunk.endswith(chat_end) if chat_end
                                                 else sse.has_done(chunk))
@@ -128,6 +151,7 @@ class ResponseTracker:
         if self.finished or self.is_cut or self._channel is None:
             return
         self.is_cut = True
+        self._channel.close()
         send = self._channel.emit
         if self.status is None:
             body = json.dumps(error_body(503, message, "service_unavailable")).encode()
@@ -142,12 +166,12 @@ class ResponseTracker:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def ttft_s(self) -> float | None:
-        return self.chunk_times[0] - self.arrival if self.chunk_times else None
+        first = self.chunk_span()[1]
+        return None if first is None else first - self.arrival
 
     def mean_itl_s(self) -> float | None:
         """Mean gap between streamed chunks after the first (one chunk per engine step)."""
-        t = self.chunk_times
-        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+        return _mean_gap(*self.chunk_span())
 
     def completion_tokens(self) -> int | None:
         """Answer tokens of a non-streamed response (``usage.completion_tokens``, or the
@@ -161,17 +185,25 @@ class ResponseTracker:
         """The answer's tokens as they went out: a streamed answer's token events (one per
         engine step, so at most a few tokens short), a whole body's own usage (its JSON is
         parsed here: call once)."""
-        return len(self.chunk_times) if self.streaming else self.completion_tokens()
+        return self.chunk_span()[0] if self.streaming else self.completion_tokens()
 
     def meets(self, slo: SloTargets, answer_tokens: int | None = None) -> bool:
         """Whether a completed request met its targets (``serve.admission.goodput``);
         ``answer_tokens``: :meth:`answer_tokens`, when the caller has it already."""
+        chunks, first, last = self.chunk_span()
         if self.streaming:
-            return streamed_good(self.ttft_s(), self.mean_itl_s(), slo)
-        e2e = self.chunk_times[-1] - self.arrival if self.chunk_times else None
+            return streamed_good(None if first is None else first - self.arrival,
+                                 _mean_gap(chunks, first, last), slo)
+        e2e = None if last is None else last - self.arrival
         if answer_tokens is None:
             answer_tokens = self.completion_tokens()
         return non_streamed_good(e2e, answer_tokens or 1, slo)
+
+
+def _mean_gap(chunks: int, first: float | None, last: float | None) -> float | None:
+    """Mean seconds between ``chunks`` chunks sent from ``first`` to ``last`` (None for
+    fewer than two)."""
+    return (last - first) / (chunks - 1) if chunks > 1 else None
 
 
 class AdmissionMiddleware:
@@ -258,19 +290,21 @@ class AdmissionMiddleware:
         finally:
             self.open.discard(tracker)
             completed = tracker.completed
-            first = tracker.chunk_times[0] if tracker.streaming and tracker.chunk_times else None
+            chunks, first, _ = tracker.chunk_span()
+            if not tracker.streaming:
+                first = None
             slot.release(completed=completed, first_token_at=first)
             if tracker.client_left:
                 metrics.aborted.inc()
             if first is not None:
                 note(first_token_s=first)
             # For the tenant's bill where vLLM reports no usage (serve.accounting).
-            answer_tokens = tracker.answer_tokens()
+            answer_tokens = chunks if tracker.streaming else tracker.completion_tokens()
             note(answer_tokens=answer_tokens)
             if completed:
                 metrics.finished.inc()
-                if tracker.streaming and tracker.ttft_s() is not None:
-                    metrics.ttft.observe(tracker.ttft_s())
+                if first is not None:
+                    metrics.ttft.observe(first - arrival)
                 if tracker.meets(self.slo, answer_tokens):
                     metrics.goodput.inc()
                     note(goodput=True)  # the tenant's goodput (serve.accounting)

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from serve.admission.goodput import SloTargets
 from serve.admission.limiter import AdmissionLimiter
-from serve.admission.middleware import AdmissionMiddleware
-from serve.asgi import BodyLimitMiddleware
+from serve.admission.middleware import AdmissionMiddleware, ResponseTracker
+from serve.asgi import BodyLimitMiddleware, ResponseChannel
 from serve.intake.images import ImagePolicy
 from serve.intake.middleware import IntakeMiddleware
 from serve.intake.request import RequestLimits
@@ -218,7 +218,6 @@ async def test_the_tracker_sees_what_the_guard_lets_through_on_one_channel():
     (the guard its gate): vLLM's token events pass as sent and are timed, an empty delta is
     dropped before the tracker times it, an abort becomes the guard's one error event, and
     the tracker, seeing that event instead of ``[DONE]``, counts no finished request."""
-    from serve.asgi import ResponseChannel
     from serve.streamguard import StreamGuardMiddleware
     from tests.helpers import vllm_token_event
 
@@ -249,3 +248,83 @@ async def test_the_tracker_sees_what_the_guard_lets_through_on_one_channel():
     channel.gate(object())
     with pytest.raises(ValueError):
         channel.gate(object())
+
+
+async def test_token_chunks_the_guard_passes_are_counted_once_and_dropped_after_a_cut(
+        monkeypatch):
+    """Behind the guard, vLLM's ordinary token chunks go straight on, counted by the channel
+    instead of each seen by the tracker: the answer's chunk count, TTFT and mean gap are those
+    of every chunk (role chunk, tokens, finish chunk, ``[DONE]``) as sent, and once the server
+    cut the answer (the drain deadline), the token chunks the engine still sends never reach
+    the client."""
+    import asyncio
+
+    from serve.streamguard import StreamGuardMiddleware
+    from tests.helpers import vllm_token_event
+
+    role = (b'data: {"id":"chatcmpl-3","object":"chat.completion.chunk","created":1,"model":"m",'
+            b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+            b'"finish_reason":null}],"prompt_token_ids":null}\n\n')
+    chunks = [role, *(vllm_token_event(b'"t%d"' % k) for k in range(5)),
+              vllm_token_event(b'"end"', b'"length"'), b"data: [DONE]\n\n"]
+    clock = Clock()
+    seen: list[bytes] = []
+
+    async def peer(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for k, body in enumerate(chunks):
+            clock.now += 0.2 if k == 0 else 0.01  # TTFT 0.2 s, then a chunk every 10 ms
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    app, metrics = admission(StreamGuardMiddleware(peer), clock)
+    original_attach = ResponseTracker.attach
+
+    def attach(tracker, channel):  # record what the tracker's observer is shown
+        channel.observe(lambda m: seen.append(m.get("body", b"")) or False)
+        return original_attach(tracker, channel)
+
+    monkeypatch.setattr(ResponseTracker, "attach", attach)
+    status, body, _ = await call(app)
+    monkeypatch.undo()
+    assert status == 200 and body == b"".join(chunks)
+    assert not any(vllm_token_event(b'"t%d"' % k) in seen for k in range(5))
+    assert counts(metrics) == (1, 1, 1, 0)
+    assert abs(metrics.ttft._sum.get() - 0.2) < 1e-9
+    tracker = ResponseTracker(100.0, clock)
+    channel = tracker.attach(ResponseChannel(None))
+    channel.tokens, channel.first_token_s = 5, 100.3
+    tracker.chunks, tracker.first_chunk_s, tracker.last_chunk_s = 3, 100.2, 100.7
+    assert tracker.chunk_span() == (8, 100.2, 100.7)
+    assert tracker.answer_tokens() is None  # no start seen: not a stream
+    tracker.streaming = True
+    assert tracker.answer_tokens() == 8 and abs(tracker.mean_itl_s() - 0.5 / 7) < 1e-12
+
+    resume = asyncio.Event()
+
+    async def cut_peer(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": role, "more_body": True})
+        await resume.wait()  # the engine goes on after the cut
+        for k in range(3):
+            await send({"type": "http.response.body", "body": vllm_token_event(b'"t%d"' % k),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    app, metrics = admission(StreamGuardMiddleware(cut_peer), Clock())
+    request = asyncio.create_task(call(app))
+    while not app.open:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert await app.cut_open("shutting down", 5) == 1
+    resume.set()
+    status, body, _ = await request
+    events = [e for e in body.split(b"\n\n") if e]
+    assert status == 200 and len(events) == 2 and events[1].startswith(b'data: {"error"')
+    assert counts(metrics) == (1, 0, 0, 0)
