@@ -103,6 +103,11 @@ class ResponseChannel:
         :meth:`emit`)."""
         self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
     def __call__(self, message: Message) -> Awaitable[None]:
         """``send(message)``: a plain call that returns the awaitable of what goes on (the
         server's ``send``, the gate's ``handle``), so a streamed token costs no coroutine

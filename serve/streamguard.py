@@ -276,6 +276,9 @@ class StreamGuardMiddleware:
             await self.app(scope, receive, channel)
         except Exception:
             stream = guard.stream
+            if channel.closed:  # the server had ended the answer (a drain's cut): sent in full
+                log.warning("the app failed after its answer was ended", exc_info=True)
+                return
             if stream is None or guard.finished:
                 raise
             log.exception("streamed response failed after it started")

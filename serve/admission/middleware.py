@@ -47,11 +47,12 @@ class ResponseTracker:
     """Watches one response's ASGI messages: status, chunk count and times, completion; and
     can end the answer early (:meth:`cut`).
 
-    The chunks of a streamed answer are counted where they pass: the ordinary token chunks
-    by the response's channel (its gate passes them without observers:
-    :class:`~serve.asgi.ResponseChannel`), the rest here. A stream's first chunk and its
-    last (vLLM's role chunk, or the channel's first token; the finish chunk and the end
-    marker, never token chunks) bound the answer's time.
+    The chunks of a streamed answer are counted where they pass: the ordinary chunks by the
+    response's channel (its gate, the stream guard, passes them without observers:
+    :class:`~serve.asgi.ResponseChannel`), the rest here. The answer's first chunk is vLLM's
+    role chunk or the channel's first token, whichever came first; its last is the end
+    marker (``[DONE]``, a Responses end event), which the guard never passes unseen, so the
+    span of a finished stream is exact, and its mean gap is known only once it finished.
     """
 
     arrival: float
@@ -73,8 +74,10 @@ class ResponseTracker:
     _channel: ResponseChannel | None = field(default=None, repr=False)
 
     def chunk_span(self) -> tuple[int, float | None, float | None]:
-        """(chunks, first chunk's clock time, last chunk's clock time) of the answer, the
-        channel's token chunks included (times None: no chunk)."""
+        """(chunks, first chunk's clock time, last clock time seen here) of the answer, the
+        channel's chunks included (times None: no chunk). The last time is the last chunk's
+        once a stream's end marker was seen (class docstring); before, chunks the channel
+        passed may have followed it."""
         channel = self._channel
         tokens = channel.tokens if channel is not None else 0
         first, last = self.first_chunk_s, self.last_chunk_s
@@ -170,7 +173,10 @@ class ResponseTracker:
         return None if first is None else first - self.arrival
 
     def mean_itl_s(self) -> float | None:
-        """Mean gap between streamed chunks after the first (one chunk per engine step)."""
+        """Mean gap between streamed chunks after the first (one chunk per engine step); None
+        before the stream's end marker (the channel does not time the chunks before it)."""
+        if self.streaming and not self.done_marker:
+            return None
         return _mean_gap(*self.chunk_span())
 
     def completion_tokens(self) -> int | None:

@@ -213,11 +213,11 @@ async def test_a_cut_stream_gets_one_error_event_and_is_not_counted_finished():
     assert counts(metrics) == (1, 0, 0, 0) and not app.open
 
 
-async def test_the_tracker_sees_what_the_guard_lets_through_on_one_channel():
+async def test_the_tracker_counts_what_the_guard_lets_through_on_one_channel():
     """Admission's tracker in front of the stream guard, both on the response's one channel
-    (the guard its gate): vLLM's token events pass as sent and are timed, an empty delta is
-    dropped before the tracker times it, an abort becomes the guard's one error event, and
-    the tracker, seeing that event instead of ``[DONE]``, counts no finished request."""
+    (the guard its gate): vLLM's token events pass as sent and are counted, an empty delta is
+    dropped before it counts, an abort becomes the guard's one error event, and the tracker,
+    seeing that event instead of ``[DONE]``, counts no finished request."""
     from serve.streamguard import StreamGuardMiddleware
     from tests.helpers import vllm_token_event
 
@@ -300,7 +300,9 @@ async def test_token_chunks_the_guard_passes_are_counted_once_and_dropped_after_
     assert tracker.chunk_span() == (8, 100.2, 100.7)
     assert tracker.answer_tokens() is None  # no start seen: not a stream
     tracker.streaming = True
-    assert tracker.answer_tokens() == 8 and abs(tracker.mean_itl_s() - 0.5 / 7) < 1e-12
+    assert tracker.answer_tokens() == 8 and tracker.mean_itl_s() is None  # no end marker yet
+    tracker.done_marker = True
+    assert abs(tracker.mean_itl_s() - 0.5 / 7) < 1e-12
 
     resume = asyncio.Event()
 
@@ -327,4 +329,33 @@ async def test_token_chunks_the_guard_passes_are_counted_once_and_dropped_after_
     status, body, _ = await request
     events = [e for e in body.split(b"\n\n") if e]
     assert status == 200 and len(events) == 2 and events[1].startswith(b'data: {"error"')
+    assert counts(metrics) == (1, 0, 0, 0)
+
+
+async def test_an_app_failing_after_a_cut_before_its_answer_started_leaves_the_503():
+    """A drain cut a request whose answer had not started (a 503 with ``Retry-After``); the
+    app then starts its stream and fails: nothing more reaches the client, and the failure
+    does not escape the guard (the client's answer was complete)."""
+    import asyncio
+
+    from serve.streamguard import StreamGuardMiddleware
+
+    resume = asyncio.Event()
+
+    async def peer(scope, receive, send):
+        await receive()
+        await resume.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        raise RuntimeError("the engine failed")
+
+    app, metrics = admission(StreamGuardMiddleware(peer), Clock())
+    request = asyncio.create_task(call(app))
+    while not app.open:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert await app.cut_open("shutting down", 5) == 1
+    resume.set()
+    status, body, headers = await request
+    assert status == 503 and headers[b"retry-after"] == b"5" and b"shutting down" in body
     assert counts(metrics) == (1, 0, 0, 0)
