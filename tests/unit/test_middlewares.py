@@ -99,6 +99,21 @@ def admission(peer, clock: Clock) -> tuple[AdmissionMiddleware, Metrics]:
     return AdmissionMiddleware(peer, limiter, SLO, metrics, clock=clock), metrics
 
 
+async def cut_while_open(app: AdmissionMiddleware, resume) -> tuple[int, bytes, dict]:
+    """Send one request through ``app``, cut it with the drain's ``cut_open`` once it is
+    admitted, then set ``resume`` (the peer goes on after the cut); the request's (status,
+    body, response headers)."""
+    import asyncio
+
+    request = asyncio.create_task(call(app))
+    while not app.open:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert await app.cut_open("shutting down", 5) == 1
+    resume.set()
+    return await request
+
+
 def counts(metrics: Metrics) -> tuple[float, float, float, float]:
     return (metrics.requests._value.get(), metrics.finished._value.get(),
             metrics.goodput._value.get(), metrics.aborted._value.get())
@@ -200,13 +215,7 @@ async def test_a_cut_stream_gets_one_error_event_and_is_not_counted_finished():
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     app, metrics = admission(peer, clock)
-    request = asyncio.create_task(call(app))
-    while not app.open:
-        await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert await app.cut_open("shutting down", 5) == 1
-    resume.set()
-    status, body, _ = await request
+    status, body, _ = await cut_while_open(app, resume)
     events = [e for e in body.decode().split("\n\n") if e]
     assert status == 200 and events[-1].startswith('data: {"error"') and len(events) == 2
     assert "[DONE]" not in body.decode()
@@ -320,13 +329,7 @@ async def test_token_chunks_the_guard_passes_are_counted_once_and_dropped_after_
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     app, metrics = admission(StreamGuardMiddleware(cut_peer), Clock())
-    request = asyncio.create_task(call(app))
-    while not app.open:
-        await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert await app.cut_open("shutting down", 5) == 1
-    resume.set()
-    status, body, _ = await request
+    status, body, _ = await cut_while_open(app, resume)
     events = [e for e in body.split(b"\n\n") if e]
     assert status == 200 and len(events) == 2 and events[1].startswith(b'data: {"error"')
     assert counts(metrics) == (1, 0, 0, 0)
@@ -350,12 +353,6 @@ async def test_an_app_failing_after_a_cut_before_its_answer_started_leaves_the_5
         raise RuntimeError("the engine failed")
 
     app, metrics = admission(StreamGuardMiddleware(peer), Clock())
-    request = asyncio.create_task(call(app))
-    while not app.open:
-        await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert await app.cut_open("shutting down", 5) == 1
-    resume.set()
-    status, body, headers = await request
+    status, body, headers = await cut_while_open(app, resume)
     assert status == 503 and headers[b"retry-after"] == b"5" and b"shutting down" in body
     assert counts(metrics) == (1, 0, 0, 0)
