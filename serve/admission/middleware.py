@@ -69,9 +69,13 @@ class ResponseTracker:
     body: bytearray = field(default_factory=bytearray)
     #: The route's SSE dialect: what marks a streamed answer's normal end.
     sse: SseDialect = CHAT_SSE
-    #: The server ended the answer early (:meth:`cut`); what the app sends after is dropped.
-    is_cut: bool = False
     _channel: ResponseChannel | None = field(default=None, repr=False)
+
+    @property
+    def is_cut(self) -> bool:
+        """The server ended the answer early (:meth:`cut`): its channel is closed, and what the
+        app sends after is dropped."""
+        return self._channel is not None and self._channel.closed
 
     def chunk_span(self) -> tuple[int, float | None, float | None]:
         """(chunks, first chunk's clock time, last clock time seen here) of the answer, the
@@ -153,7 +157,6 @@ class ResponseTracker:
         the body (a started non-streamed answer). The request is not counted as finished."""
         if self.finished or self.is_cut or self._channel is None:
             return
-        self.is_cut = True
         self._channel.close()
         send = self._channel.emit
         if self.status is None:
@@ -296,7 +299,7 @@ class AdmissionMiddleware:
         finally:
             self.open.discard(tracker)
             completed = tracker.completed
-            chunks, first, _ = tracker.chunk_span()
+            first = tracker.chunk_span()[1]
             if not tracker.streaming:
                 first = None
             slot.release(completed=completed, first_token_at=first)
@@ -305,7 +308,7 @@ class AdmissionMiddleware:
             if first is not None:
                 note(first_token_s=first)
             # For the tenant's bill where vLLM reports no usage (serve.accounting).
-            answer_tokens = chunks if tracker.streaming else tracker.completion_tokens()
+            answer_tokens = tracker.answer_tokens()
             note(answer_tokens=answer_tokens)
             if completed:
                 metrics.finished.inc()
