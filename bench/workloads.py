@@ -316,8 +316,40 @@ def serving_benchmark(base_url: str, model_dir: Path, model_name: str, kind: str
         "--disable-tqdm", "--num-warmups", str(warmups), "--save-detailed",
         *(("--goodput", f"ttft:{slo.ttft_s * 1000:g}", f"tpot:{slo.itl_s * 1000:g}")
           if slo is not None else ())])
-    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), no_metrics_probes():
         return main(args)
+
+
+#: The probes of ``vllm.benchmarks.serve`` that scrape the server's ``/metrics`` before and
+#: after a run (speculative-decoding and diffusion counters: four scrapes a run).
+METRICS_PROBES = ("fetch_spec_decode_metrics", "fetch_diffusion_metrics")
+
+
+@contextlib.contextmanager
+def no_metrics_probes():
+    """Within: vLLM's serving benchmark does not scrape the server's ``/metrics``
+    (:data:`METRICS_PROBES` find nothing, as for a model without speculative or diffusion
+    decoding, which Phi-3-vision is).
+
+    Why: ``make bench`` counts a server's API-process CPU per request over a segment's
+    requests, and a scrape is no request's. Four scrapes in a segment of 16 to 128 requests
+    weigh ~100 times what a Prometheus scrape every 15 s does, and the larger registry
+    (ours serves vLLM's and the gateway's series) would be charged as a per-request cost.
+    """
+    from vllm.benchmarks import serve as vllm_bench
+
+    async def none(*_args, **_kwargs):
+        return None
+
+    saved = {name: getattr(vllm_bench, name) for name in METRICS_PROBES
+             if hasattr(vllm_bench, name)}
+    try:
+        for name in saved:
+            setattr(vllm_bench, name, none)
+        yield
+    finally:
+        for name, probe in saved.items():
+            setattr(vllm_bench, name, probe)
 
 
 def served_model(base_url: str) -> str:

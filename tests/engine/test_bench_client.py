@@ -24,3 +24,18 @@ def test_vllm_serving_benchmark_scores_goodput_by_our_targets(server):
     impossible = bench(SloTargets(1e-6, 5.0))
     assert impossible["completed"] == 4 and impossible["request_goodput"] == 0.0
     assert bench(None).get("request_goodput") is None
+
+
+def test_vllm_serving_benchmark_does_not_scrape_the_server(server):
+    """A run sends its chats and nothing to ``/metrics`` (``bench.workloads.no_metrics_probes``:
+    ``make bench`` charges a segment's API-process CPU to its requests)."""
+    def scrapes() -> float:  # /metrics, like every route of no label of its own: "other"
+        return server.metric("phi3v_http_responses_total", {"route": "other", "code": "200"})
+
+    first = scrapes()
+    per_read = scrapes() - first  # what one read of the counter adds itself
+    before = scrapes()
+    result = serving_benchmark(server.base_url, TINY_MODEL, server.model, "text", 2, 2, 0,
+                               io.StringIO())
+    assert result["completed"] == 2, result
+    assert scrapes() - before == per_read
