@@ -41,6 +41,17 @@ def git_state(root: Path = ROOT) -> tuple[str, bool]:
     return commit, dirty
 
 
+def same_code(a: str, b: str, root: Path = ROOT) -> bool:
+    """Whether commits ``a`` and ``b`` hold the same tracked files outside :data:`RESULTS`:
+    the same code measured (a commit of a ledger changes only results). False when git
+    cannot tell (an unknown commit, no repository)."""
+    if a == b:
+        return True
+    diff = subprocess.run(["git", "diff", "--quiet", a, b, "--", ".", f":(exclude){RESULTS}"],
+                          cwd=root, capture_output=True)
+    return diff.returncode == 0
+
+
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1."""
     with socket.socket() as s:

@@ -16,8 +16,9 @@ margin, **fails** when the whole interval is on the wrong side, and is **inconcl
 it straddles the margin (or has fewer than 2 blocks). The run is **valid** only when every
 A/A interval (``raw2/raw``, two identical raw servers) lies inside its band; otherwise the
 result is ``unresolved``: the run does not count, and the notes say which interval fell
-outside. The CLI pools every run of the newest run's ``(commit, dirty)`` and prints the
-summary, the notes, and :func:`verdict_line` last.
+outside. The CLI pools every run of the newest run's ``(commit, dirty)``, and of the commits
+that hold the same code (:func:`select_pool`), and prints the summary, the notes, and
+:func:`verdict_line` last.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import stats
+from bench.process import same_code
 
 #: Confidence level of every interval (two-sided), issue 31.
 LEVEL = 0.90
@@ -514,8 +516,13 @@ def markdown_table(v: Verdict, records: Iterable[Mapping], level: float = LEVEL)
     return "\n".join(out) + "\n"
 
 
-def select_pool(records: Sequence[Mapping], commit: str | None = None) -> list[Mapping]:
-    """The records of every run sharing the ``(commit, dirty)`` of the newest run.
+def select_pool(records: Sequence[Mapping], commit: str | None = None,
+                same_code: Callable[[str, str], bool] | None = None) -> list[Mapping]:
+    """The records of every run sharing the ``(commit, dirty)`` of the newest run; with
+    ``same_code`` (a predicate on two commits, :func:`bench.process.same_code`), also the
+    clean runs of every commit it finds to hold the same code (a commit that only added
+    results to the ledger does not split the evidence). Runs of a dirty checkout pool only
+    with their own commit's dirty runs: their code is not in git.
 
     The newest run is the one of the last record in file order (with ``commit``: the last
     record whose commit starts with it). Raises ValueError when no record matches.
@@ -524,19 +531,34 @@ def select_pool(records: Sequence[Mapping], commit: str | None = None) -> list[M
                                                    or str(r.get("commit", "")).startswith(commit))]
     if not newest:
         raise ValueError(f"no ledger record{f' of commit {commit}' if commit else ''}")
-    key = (newest[-1].get("commit"), bool(newest[-1].get("dirty")))
-    return [r for r in records if (r.get("commit"), bool(r.get("dirty"))) == key]
+    key_commit, key_dirty = newest[-1].get("commit"), bool(newest[-1].get("dirty"))
+    verdicts: dict[str, bool] = {}
+
+    def pooled(r: Mapping) -> bool:
+        c = r.get("commit")
+        if bool(r.get("dirty")) != key_dirty:
+            return False
+        if c == key_commit:
+            return True
+        if key_dirty or same_code is None or not c or not key_commit:
+            return False
+        if c not in verdicts:
+            verdicts[c] = same_code(str(c), str(key_commit))
+        return verdicts[c]
+
+    return [r for r in records if pooled(r)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI (module docstring): summary, notes, and the verdict line last. 2 on no data."""
     p = argparse.ArgumentParser(prog="python -m bench.verdict", description=__doc__.split("\n")[0])
     p.add_argument("--ledger", type=Path, default=Path("bench/results/ledger.jsonl"))
-    p.add_argument("--commit", help="pool the runs of this commit (prefix) instead of the newest")
+    p.add_argument("--commit", help="pool the runs of this commit (prefix) instead of the "
+                   "newest, with those of its code's other commits")
     p.add_argument("--md", type=Path, help="write the Markdown report here")
     args = p.parse_args(argv)
     try:
-        pool = select_pool(read_ledger(args.ledger), args.commit)
+        pool = select_pool(read_ledger(args.ledger), args.commit, same_code)
     except (OSError, ValueError) as e:
         print(f"bench.verdict: {e}", file=sys.stderr)
         return 2

@@ -248,6 +248,55 @@ def test_pooling_two_runs_of_one_commit():
     assert {r["run"] for r in verdict.select_pool([*r1, *dirty])} == {"rd"}
 
 
+def test_pooling_spans_commits_of_the_same_code():
+    """Runs of a commit that only added results pool with those of the commit before it;
+    another code, and a dirty checkout, stay apart."""
+    code, ledger_commit, other = "a" * 40, "c" * 40, "b" * 40
+    before = ledger(n_blocks=2, run="r1", seed=1, commit=code)
+    after = ledger(n_blocks=2, run="r2", seed=2, commit=ledger_commit)
+    elsewhere = ledger(n_blocks=2, run="r0", seed=3, commit=other)
+    dirty = ledger(n_blocks=2, run="rd", seed=4, commit=code, dirty=True)
+    records = [*elsewhere, *before, *dirty, *after]
+    asked = []
+
+    def same(a: str, b: str) -> bool:
+        asked.append((a, b))
+        return {a, b} == {code, ledger_commit}
+
+    assert {r["run"] for r in verdict.select_pool(records, same_code=same)} == {"r1", "r2"}
+    assert len(asked) == len(set(asked)) == 2  # once per other commit, not per record
+    assert {r["run"] for r in verdict.select_pool(records)} == {"r2"}  # no predicate: exact
+    assert {r["run"] for r in verdict.select_pool([*before, *dirty], same_code=same)} == {"rd"}
+
+
+def test_same_code_ignores_results_only(tmp_path):
+    """``bench.process.same_code`` on a real repository: a commit touching only
+    ``bench/results`` holds the same code; one touching code does not; an unknown commit is
+    not the same."""
+    from bench.process import same_code
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args],
+                              cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "bench" / "results" / "ledger.jsonl").write_text("{}\n")
+    git("add", "-A"), git("commit", "-qm", "code")
+    first = git("rev-parse", "HEAD")
+    (tmp_path / "bench" / "results" / "ledger.jsonl").write_text("{}\n{}\n")
+    git("commit", "-qam", "ledger")
+    ledger_only = git("rev-parse", "HEAD")
+    (tmp_path / "code.py").write_text("x = 2\n")
+    git("commit", "-qam", "change")
+    changed = git("rev-parse", "HEAD")
+    assert same_code(first, ledger_only, tmp_path)
+    assert not same_code(first, changed, tmp_path)
+    assert not same_code(first, "f" * 40, tmp_path)
+
+
 def test_cli_prints_the_verdict_last_and_writes_markdown(tmp_path):
     path, md = tmp_path / "ledger.jsonl", tmp_path / "bench.md"
     records = [*ledger(n_blocks=4, run="r1"), *ledger(n_blocks=4, run="r2", seed=5)]
