@@ -27,6 +27,8 @@ READY_TIMEOUT_S = 300
 #: Where the benchmarks' ledgers live: what a run appends there is results, not a change to
 #: the code measured, so it never makes the checkout dirty (:func:`git_state`).
 RESULTS = "bench/results"
+#: The code measured: every tracked file outside :data:`RESULTS` (a ``git`` pathspec).
+CODE_PATHSPEC = (".", f":(exclude){RESULTS}")
 
 
 def git_state(root: Path = ROOT) -> tuple[str, bool]:
@@ -36,8 +38,8 @@ def git_state(root: Path = ROOT) -> tuple[str, bool]:
     first's records are committed."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".",
-                            f":(exclude){RESULTS}"], cwd=root).returncode != 0
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *CODE_PATHSPEC],
+                           cwd=root).returncode != 0
     return commit, dirty
 
 
@@ -47,8 +49,8 @@ def same_code(a: str, b: str, root: Path = ROOT) -> bool:
     cannot tell (an unknown commit, no repository)."""
     if a == b:
         return True
-    diff = subprocess.run(["git", "diff", "--quiet", a, b, "--", ".", f":(exclude){RESULTS}"],
-                          cwd=root, capture_output=True)
+    diff = subprocess.run(["git", "diff", "--quiet", a, b, "--", *CODE_PATHSPEC], cwd=root,
+                          capture_output=True)
     return diff.returncode == 0
 
 

@@ -33,8 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench import stats
-from bench.process import same_code
+from bench import process, stats
 
 #: Confidence level of every interval (two-sided), issue 31.
 LEVEL = 0.90
@@ -558,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--md", type=Path, help="write the Markdown report here")
     args = p.parse_args(argv)
     try:
-        pool = select_pool(read_ledger(args.ledger), args.commit, same_code)
+        pool = select_pool(read_ledger(args.ledger), args.commit, process.same_code)
     except (OSError, ValueError) as e:
         print(f"bench.verdict: {e}", file=sys.stderr)
         return 2
