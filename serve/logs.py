@@ -86,7 +86,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pythonjsonlogger.core import RESERVED_ATTRS
-from pythonjsonlogger.json import JsonFormatter as _JsonFormatter
+from pythonjsonlogger.msgspec import MsgspecFormatter
 from starlette.types import Message, Scope
 
 from serve.asgi import REQUEST_STATE_KEY, ResponseChannel
@@ -108,9 +108,12 @@ _STANDARD = frozenset((*RESERVED_ATTRS, *NOT_FIELDS, "taskName"))
 
 
 # --- formats ----------------------------------------------------------------------------------
-class JsonFormatter(_JsonFormatter):
+class JsonFormatter(MsgspecFormatter):
     """One JSON object per record: ``time``, ``level``, ``logger``, ``process``,
-    ``message``, then the record's own fields (``request_id``, ``extra=``)."""
+    ``message``, then the record's own fields (``request_id``, ``extra=``). Compact JSON,
+    encoded by msgspec (python-json-logger's own formatter for it): the access record runs
+    on the event loop once per request, and msgspec's encoder takes a third of the time of
+    Python's ``json`` for it."""
 
     def __init__(self) -> None:
         super().__init__("%(levelname)s %(name)s %(process)d %(message)s",

@@ -41,10 +41,23 @@ ABNORMAL_FINISH = ("abort", "error")
 #: compact JSON, so ``"error"`` (key or finish reason) and ``"abort"`` appear verbatim, while a
 #: quote inside answer text is escaped (``\"error\"``) and cannot match.
 _MARKERS = tuple(f'"{word}"'.encode() for word in ABNORMAL_FINISH)
-#: Events holding any of these are parsed; all others pass through untouched.
-_PARSE_MARKERS = (*_MARKERS, b'"content":""')
 #: The markers as one search (one pass over the chunk instead of one per marker).
-_PARSE_PATTERN = re.compile(b"|".join(re.escape(m) for m in _PARSE_MARKERS))
+_ABNORMAL_PATTERN = re.compile(b"|".join(re.escape(m) for m in _MARKERS))
+#: What an empty delta holds (:func:`empty_delta`): in compact JSON ``:""`` is only ever an
+#: empty string value.
+EMPTY_CONTENT = b'"content":""'
+#: The delta of vLLM's first chat event, which names the role: it holds
+#: :data:`EMPTY_CONTENT` but carries the role, so it is no empty delta.
+ROLE_DELTA = b'"delta":{"role":"assistant",' + EMPTY_CONTENT + b"}"
+
+
+def needs_parse(data: bytes) -> bool:
+    """Whether chat events ``data`` may hold an error, an abnormal finish or an empty delta,
+    which the guard must parse: an abnormal marker (:data:`_MARKERS`), or an empty content
+    outside a role delta (each :data:`ROLE_DELTA` holds one :data:`EMPTY_CONTENT`). Every
+    other event passes untouched, the role event included: two C-level counts, no JSON."""
+    return (_ABNORMAL_PATTERN.search(data) is not None
+            or data.count(EMPTY_CONTENT) != data.count(ROLE_DELTA))
 
 
 #: How vLLM 0.32 ends an ordinary token event, one per message (its generators yield each
@@ -68,12 +81,12 @@ def ordinary_chunk(chunk: bytes) -> bool:
     newline is its last two bytes; compact JSON holds no raw newline) ending as vLLM ends a
     token event (:data:`TOKEN_EVENT_ENDS`), not an empty delta (:data:`EMPTY_EVENT_END`):
     ~0.85 us for a 230-byte chunk on the CPU machine (suffix tests and one ``memchr``), where
-    the general test (any other message) is a regex scan for the markers, ~1.8 us in all."""
+    the general test (any other message) is a regex scan for the markers and two counts
+    (:func:`needs_parse`)."""
     if (chunk.endswith(TOKEN_EVENT_ENDS) and chunk.find(b"\n") == len(chunk) - 2
             and not chunk.endswith(EMPTY_EVENT_END)):
         return True
-    return (chunk.endswith(b"\n\n") and not chunk.endswith(CHAT_END)
-            and _PARSE_PATTERN.search(chunk) is None)
+    return chunk.endswith(b"\n\n") and not chunk.endswith(CHAT_END) and not needs_parse(chunk)
 
 
 class _Stream:
@@ -123,7 +136,7 @@ class _Stream:
             self.closed = True
             await self.emit(event)
             return
-        if _PARSE_PATTERN.search(payload) is None:
+        if not needs_parse(payload):
             await self.emit(event)  # an ordinary chunk: no JSON parse on the hot path
             return
         try:
@@ -198,7 +211,7 @@ class _Guard:
     """The guard of one response: the gate of its :class:`~serve.asgi.ResponseChannel`
     (a token chunk passes in :meth:`passes`, a plain call; the rest goes to :meth:`handle`)."""
 
-    __slots__ = ("channel", "sse", "incomplete_event", "stream", "finished")
+    __slots__ = ("channel", "sse", "incomplete_event", "stream", "finished", "open_chunks")
 
     def __init__(self, channel: ResponseChannel, sse: SseDialect,
                  incomplete_event: str = INCOMPLETE_EVENTS[0]) -> None:
@@ -207,17 +220,19 @@ class _Guard:
         self.incomplete_event = incomplete_event
         self.stream: _Stream | None = None  # an SSE answer with status 200
         self.finished = False  # its last message was sent
+        #: A chat/completions stream has started, holds no partial event and is not closed:
+        #: a token chunk may pass (:meth:`passes`). Only :meth:`handle` changes the stream,
+        #: so it sets this after each message.
+        self.open_chunks = False
 
     def passes(self, message: Message) -> bool:
         """Whether ``message`` is an ordinary chat/completions chunk of a started stream
         (:func:`ordinary_chunk`), which goes on as vLLM sent it; everything else (the start,
         the end, an answer that is no stream, Responses events) goes to :meth:`handle`."""
-        stream = self.stream
         # The hot path: one ordinary token chunk goes on as vLLM sent it. (Its event is not
-        # counted: the count numbers Responses events, which never take this path.)
-        if stream is None or not (stream.sse.chunks and not stream.buffer and not stream.closed
-                                  and message["type"] == "http.response.body"
-                                  and message.get("more_body", False)):
+        # counted: the count numbers Responses events, which never take this path.) Only a
+        # body message has ``more_body``, and a stream's last one has it false.
+        if not (self.open_chunks and message.get("more_body", False)):
             return False
         chunk = message.get("body", b"")
         # ordinary_chunk's O(1) token test, inlined (no Python call per token); any other
@@ -226,6 +241,14 @@ class _Guard:
                  and not chunk.endswith(EMPTY_EVENT_END)) or ordinary_chunk(chunk))
 
     async def handle(self, message: Message) -> None:
+        try:
+            await self._handle(message)
+        finally:
+            stream = self.stream
+            self.open_chunks = (stream is not None and stream.sse.chunks and not stream.buffer
+                                and not stream.closed)
+
+    async def _handle(self, message: Message) -> None:
         stream = self.stream
         if message["type"] == "http.response.start":
             if is_event_stream(message):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import secrets
 
@@ -42,6 +41,7 @@ from serve.asgi import (
     response_channel,
     with_content_length,
 )
+from serve.intake.body import decode_body, encode_body
 from serve.intake.budget import PromptBudget, image_tokens
 from serve.intake.cache import ImageCache, image_key
 from serve.intake.errors import IntakeError
@@ -207,13 +207,8 @@ class IntakeMiddleware:
         Raises:
             IntakeError: 400 naming the field.
         """
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise IntakeError(400, f"request body is not valid JSON ({exc})") from None
-        except RecursionError:
-            raise IntakeError(400, "request body is nested too deeply") from None
-        request = PARSERS[protocol](data, self.limits)
+        data = decode_body(raw)
+        request = PARSERS[protocol](data, self.limits, checked=True)
         request.user = check_user(data.get("user"))
         note(user=request.user)  # the access record, from any key
         if protocol == RESPONSES:
@@ -278,7 +273,7 @@ class IntakeMiddleware:
         if self.log_content:
             note(content=request_content(request, described))
         tokens = 0 if self.budget is None else self.budget.estimate(request, sizes)
-        return (json.dumps(request.body).encode(), len(request.images), request.request_id,
+        return (encode_body(request.body), len(request.images), request.request_id,
                 tokens, request.tools_ignored, request.user)
 
 

@@ -258,8 +258,11 @@ def check_num_crops(body: dict, limits: RequestLimits) -> int | None:
     return crops
 
 
-def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
+def parse_chat_request(body: Any, limits: RequestLimits, *,
+                       checked: bool = False) -> GenerationRequest:
     """Validate a decoded ``/v1/chat/completions`` body; neutralises control sequences.
+    ``checked``: the body came from :func:`serve.intake.body.decode_body`, whose strings and
+    numbers are known good (:func:`check_common`).
 
     Returns:
         the request with its image references in order of appearance.
@@ -272,7 +275,7 @@ def parse_chat_request(body: Any, limits: RequestLimits) -> GenerationRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise IntakeError(400, "messages must be a non-empty list", "messages")
-    ignored = check_common(body, limits)
+    ignored = check_common(body, limits, checked=checked)
     images: list[ImageRef] = []
     prompt: list[dict] = []  # the messages as the prompt-length check counts them
     for i, message in enumerate(messages):
@@ -365,12 +368,13 @@ REFUSED_FIELDS = ("media_io_kwargs", "chat_template", "chat_template_kwargs")
 ANSWER_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
-def check_common(body: dict, limits: RequestLimits) -> tuple[str, ...]:
+def check_common(body: dict, limits: RequestLimits, *, checked: bool = False
+                 ) -> tuple[str, ...]:
     """Checks every generation route shares: valid Unicode and finite numbers everywhere
-    (:func:`check_values`), none of :data:`REFUSED_FIELDS`, the tools policy
-    (:func:`check_tools`), ``n``, the answer-length fields (integers of at least 1, each named
-    in its error) and a client-chosen ``request_id`` (made unique in place, see
-    :func:`check_request_id`).
+    (:func:`check_values`; done already when ``checked``: ``serve.intake.body.decode_body``),
+    none of :data:`REFUSED_FIELDS`, the tools policy (:func:`check_tools`), ``n``, the
+    answer-length fields (integers of at least 1, each named in its error) and a
+    client-chosen ``request_id`` (made unique in place, see :func:`check_request_id`).
 
     Returns:
         the tool fields taken out of the body (``--tools ignore``).
@@ -378,7 +382,8 @@ def check_common(body: dict, limits: RequestLimits) -> tuple[str, ...]:
     Raises:
         IntakeError: 400 naming the field.
     """
-    check_values(body)
+    if not checked:
+        check_values(body)
     for name in REFUSED_FIELDS:
         if body.get(name) is not None:
             raise IntakeError(400, f"{name} is not accepted by this server", name)
@@ -486,17 +491,19 @@ def check_image_count(images: list[ImageRef], limits: RequestLimits) -> None:
                           images[limits.max_images].where)
 
 
-def parse_completion_request(body: Any, limits: RequestLimits) -> GenerationRequest:
+def parse_completion_request(body: Any, limits: RequestLimits, *,
+                             checked: bool = False) -> GenerationRequest:
     """Validate a decoded ``/v1/completions`` body: the shared checks only. Its prompt is raw
     text (the client writes the chat template, control tokens included, by design) and
-    carries no images; vLLM validates and counts it.
+    carries no images; vLLM validates and counts it. ``checked``: as
+    :func:`parse_chat_request`.
 
     Raises:
         IntakeError: 400 naming the offending field.
     """
     if not isinstance(body, dict):
         raise IntakeError(400, "request body must be a JSON object")
-    ignored = check_common(body, limits)
+    ignored = check_common(body, limits, checked=checked)
     check_one_prompt(body.get("prompt"))
     return GenerationRequest(body, [], None, None, ("max_tokens",), "prompt",
                              tools_ignored=ignored)

@@ -136,8 +136,10 @@ def _message(item: Any, where: str, images: list[ImageRef], tools: str = "refuse
     return {"role": ROLES[role], "content": parts}
 
 
-def parse_responses_request(body: Any, limits: RequestLimits) -> GenerationRequest:
+def parse_responses_request(body: Any, limits: RequestLimits, *,
+                            checked: bool = False) -> GenerationRequest:
     """Validate a decoded ``/v1/responses`` body; neutralises control sequences in place.
+    ``checked``: as :func:`serve.intake.request.parse_chat_request`.
 
     Returns:
         the request, its images in order, and its prompt as chat messages (for the
@@ -148,7 +150,7 @@ def parse_responses_request(body: Any, limits: RequestLimits) -> GenerationReque
     """
     if not isinstance(body, dict):
         raise IntakeError(400, "request body must be a JSON object")
-    ignored = check_common(body, limits)
+    ignored = check_common(body, limits, checked=checked)
     if body.get("previous_response_id") is not None:
         raise IntakeError(400, "previous_response_id is not supported (responses are not "
                           "stored); send the conversation in input", "previous_response_id")

@@ -97,7 +97,7 @@ def test_token_chunks_take_the_stream_guards_o1_path(server):
     guard's O(1) test expects (``serve.streamguard.TOKEN_EVENT_ENDS``): the per-token cost
     ``python -m bench.layers`` measures with the same shape. A vLLM that writes them otherwise
     sends every token through the general test (a regex scan) instead."""
-    from serve.streamguard import TOKEN_EVENT_ENDS
+    from serve.streamguard import ROLE_DELTA, TOKEN_EVENT_ENDS, needs_parse
 
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=60, json={
             "model": server.model, "max_tokens": 6, "stream": True,
@@ -109,6 +109,8 @@ def test_token_chunks_take_the_stream_guards_o1_path(server):
     assert events[-1] == b"data: [DONE]\n\n" and len(events) >= 4, events
     tokens = events[1:-2]
     assert tokens and all(e.endswith(TOKEN_EVENT_ENDS) for e in tokens), tokens
+    # The role event holds an empty content in the shape the guard passes unparsed.
+    assert ROLE_DELTA in events[0] and not needs_parse(events[0]), events[0]
 
 
 def test_one_http_account_of_every_response(server):

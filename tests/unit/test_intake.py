@@ -346,6 +346,22 @@ def test_empty_delta_detection():
     assert not empty_delta({"object": "chat.completion.chunk", "choices": []})
 
 
+def test_the_role_event_passes_unparsed_but_an_empty_delta_beside_it_does_not():
+    """vLLM's first chat event names the role with an empty content: no empty delta, so the
+    guard passes it without a JSON parse; an empty delta or an abnormal marker in the same
+    message is still parsed (and the parse drops or ends what it must)."""
+    from serve.streamguard import needs_parse, ordinary_chunk
+
+    role = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,'
+            b'"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":null}\n\n')
+    empty = vllm_token_event(b'""')
+    assert ordinary_chunk(role) and not needs_parse(role)
+    assert needs_parse(role + empty) and needs_parse(empty + role) and needs_parse(empty)
+    assert needs_parse(role.replace(b'"finish_reason":null', b'"finish_reason":"abort"'))
+    assert needs_parse(role + b'data: {"error":{"message":"x"}}\n\n')
+
+
 async def test_guard_hot_path_forwards_vllm_messages_as_sent():
     """An ordinary token chunk reaches the client as the very message vLLM sent (no copy, no
     parse); chunks split or merged across messages, and vLLM's compact abort chunk, still get

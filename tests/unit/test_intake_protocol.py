@@ -15,6 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 from typing_extensions import TypedDict
 
 from serve.errors import client_field_error
+from serve.intake.body import decode_body, encode_body
 from serve.intake.errors import IntakeError
 from serve.intake.request import RequestLimits, parse_chat_request, parse_completion_request
 from serve.intake.responses import parse_responses_request
@@ -91,6 +92,41 @@ async def test_the_intake_refuses_nan_from_the_raw_body():
     raw = json.dumps(CHAT)[:-1].encode() + b', "logit_bias": {"100": NaN}}'
     status, data, _ = await call(intake(_peer), raw)
     assert status == 400 and json.loads(data)["error"]["param"] == "logit_bias.100"
+
+
+VALID_BODIES = [
+    b'{"a": 12345678901234567890123, "b": -0.0, "c": 1e-300, "d": 0.1}',  # big int, floats
+    b'{"t": "\\ud83d\\ude00 \xc3\xa9 \\u2028", "k\xc3\xa9": [true, null, {}]}',  # a pair
+    '{"utf16": "\u00e9"}'.encode("utf-16"),  # Python's json detects the encoding
+    b'{"a": 1, "a": 2}',  # a repeated key: the last one, as json
+]
+
+
+@pytest.mark.parametrize("raw", VALID_BODIES)
+def test_decode_body_reads_what_json_reads(raw):
+    assert decode_body(raw) == json.loads(raw)
+    assert json.loads(encode_body(decode_body(raw))) == json.loads(raw)
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"stop": ["a", "\\ud800"]}', "stop[1]"),  # a lone surrogate
+    (b'{"x": {"y": [1, NaN]}}', "x.y[1]"),
+    (b'{"top_p": 1e999}', "top_p"),
+    (b'{"\\udfff": 1}', None),  # in a key: no field to name but the key's object
+])
+def test_decode_body_names_the_field_it_refuses(raw, param):
+    with pytest.raises(IntakeError) as err:
+        decode_body(raw)
+    assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("raw,words", [(b'{"a": ', "not valid JSON"),
+                                       (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+                                       (b"\xff{}", "not valid JSON")])
+def test_decode_body_refuses_what_is_not_json(raw, words):
+    with pytest.raises(IntakeError) as err:
+        decode_body(raw)
+    assert err.value.status == 400 and words in err.value.message
 
 
 # --- the field a validation error names (real pydantic errors, OpenAI's own schema) -----------
