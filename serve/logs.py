@@ -86,6 +86,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pythonjsonlogger.core import RESERVED_ATTRS
+from pythonjsonlogger.json import JsonEncoder
 from pythonjsonlogger.msgspec import MsgspecFormatter
 from starlette.types import Message, Scope
 
@@ -113,7 +114,15 @@ class JsonFormatter(MsgspecFormatter):
     ``message``, then the record's own fields (``request_id``, ``extra=``). Compact JSON,
     encoded by msgspec (python-json-logger's own formatter for it): the access record runs
     on the event loop once per request, and msgspec's encoder takes a third of the time of
-    Python's ``json`` for it."""
+    Python's ``json`` for it. A record msgspec cannot encode (a lone surrogate, which
+    Python puts in the names it decodes from non-UTF-8 bytes, such as file names) is
+    written by Python's ``json`` instead (escaped), not lost."""
+
+    def jsonify_log_record(self, log_data: dict) -> str:
+        try:
+            return super().jsonify_log_record(log_data)
+        except (UnicodeEncodeError, TypeError, ValueError, OverflowError):
+            return json.dumps(log_data, cls=JsonEncoder)
 
     def __init__(self) -> None:
         super().__init__("%(levelname)s %(name)s %(process)d %(message)s",

@@ -74,8 +74,8 @@ EMPTY_EVENT_END = b':""},"logprobs":null,' + TOKEN_EVENT_ENDS[0]
 
 def ordinary_chunk(chunk: bytes) -> bool:
     """Whether a message body is whole chat events (nothing buffered before it) that the guard
-    passes on as they are: holding no parse marker and not the end (``data: [DONE]``, always
-    the stream's last event, so a message holding it ends with it).
+    passes on as they are: holding no parse marker and not the end (``data: [DONE]``, after
+    which the guard drops everything).
 
     Runs on every streamed token, so the common message is told in O(1): one event (its first
     newline is its last two bytes; compact JSON holds no raw newline) ending as vLLM ends a
@@ -86,7 +86,7 @@ def ordinary_chunk(chunk: bytes) -> bool:
     if (chunk.endswith(TOKEN_EVENT_ENDS) and chunk.find(b"\n") == len(chunk) - 2
             and not chunk.endswith(EMPTY_EVENT_END)):
         return True
-    return chunk.endswith(b"\n\n") and not chunk.endswith(CHAT_END) and not needs_parse(chunk)
+    return chunk.endswith(b"\n\n") and CHAT_END not in chunk and not needs_parse(chunk)
 
 
 class _Stream:
@@ -299,6 +299,7 @@ class StreamGuardMiddleware:
             await self.app(scope, receive, channel)
         except Exception:
             stream = guard.stream
+            guard.open_chunks = False  # a token sent after this (a leftover task's) is dropped
             if channel.closed:  # the server had ended the answer (a drain's cut): sent in full
                 log.warning("the app failed after its answer was ended", exc_info=True)
                 return

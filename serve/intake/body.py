@@ -3,7 +3,7 @@
 The decoder is strict where Python's ``json`` is lenient, and checks in C what
 :func:`serve.intake.request.check_values` checks in Python; the encoder writes the body vLLM
 reads. Both are msgspec's (a vLLM dependency): a text request's body is decoded and encoded
-once on the event loop, and its JSON is most of the intake's work there.
+on the event loop, once per request, and the loop streams every answer.
 """
 
 from __future__ import annotations

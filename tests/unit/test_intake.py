@@ -362,6 +362,44 @@ def test_the_role_event_passes_unparsed_but_an_empty_delta_beside_it_does_not():
     assert needs_parse(role + b'data: {"error":{"message":"x"}}\n\n')
 
 
+async def test_nothing_passes_after_done_or_after_the_app_failed():
+    """``data: [DONE]`` ends the stream even with an event behind it in the same message; and
+    once the app failed (one error event, then the end), a token that a task it left behind
+    sends later is dropped, never sent after the response's last message."""
+    from serve.sse import CHAT_END
+
+    role = (b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
+            b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n')
+    events = await run_guard([vllm_token_event(b'"a"'), CHAT_END + role])
+    assert events[-1] == CHAT_END.decode().strip() and len(events) == 2
+
+    token = vllm_token_event(b'"a"')
+    sent, tasks = [], []
+
+    async def upstream(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": token, "more_body": True})
+
+        async def late():
+            await asyncio.sleep(0.01)
+            await send({"type": "http.response.body", "body": token, "more_body": True})
+        tasks.append(asyncio.get_running_loop().create_task(late()))
+        raise RuntimeError("engine died")
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    await StreamGuardMiddleware(upstream)({"type": "http", "path": "/v1/chat/completions"},
+                                          receive, send)
+    await asyncio.gather(*tasks)
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert b"internal error" in sent[-2]["body"] and len(sent) == 4
+
+
 async def test_guard_hot_path_forwards_vllm_messages_as_sent():
     """An ordinary token chunk reaches the client as the very message vLLM sent (no copy, no
     parse); chunks split or merged across messages, and vLLM's compact abort chunk, still get

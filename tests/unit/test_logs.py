@@ -51,6 +51,13 @@ def test_json_is_one_object_per_line_with_the_record_s_own_fields():
     assert not {"color_message", "vllm_process_name", "msg", "args"} & data.keys()
 
 
+def test_json_writes_a_record_with_a_lone_surrogate():
+    """Python decodes non-UTF-8 bytes (a file name) to lone surrogates, which msgspec cannot
+    encode: the record is still written, one line, the surrogate escaped."""
+    line = _handled(logs.JsonFormatter(), _record(path="/models/phi\udcff"))
+    assert line.count("\n") == 1 and json.loads(line)["path"] == "/models/phi\udcff"
+
+
 def test_json_keeps_a_traceback_on_its_line():
     try:
         raise ValueError("bad")
