@@ -101,7 +101,7 @@ class Stack:
         for i, paths in self.logs.items():
             for path in paths:
                 for line in path.read_text(errors="replace").splitlines():
-                    if f'"request_id": "{request_id}' not in line:
+                    if request_id not in line or not line.startswith("{"):
                         continue
                     record = json.loads(line)
                     if (record.get("logger") == "serve.access" and record["status"] == 200
