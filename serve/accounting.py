@@ -44,7 +44,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve.admission.limiter import REJECT_REASONS
-from serve.asgi import PROMPT_TOKENS_SCOPE_KEY, REQUEST_STATE_KEY
+from serve.asgi import PROMPT_TOKENS_SCOPE_KEY, REQUEST_STATE_KEY, response_channel
 from serve.errors import error_body, openai_error
 from serve.logs import note, vllm_usage
 from serve.metrics import Metrics
@@ -232,7 +232,12 @@ class QuotaMiddleware:
             self.accounting.count(tenant.name, user, refusal=admitted.limit)
             await refusal_response(admitted)(scope, receive, send)
             return
+        channel = response_channel(send, scope)
+        # Billed when the answer ends (its last message sent), before its client's next request.
+        channel.on_end(lambda failed: self.accounting.finish(admitted, scope, estimate, user))
         try:
-            await self.app(scope, receive, send)
-        finally:
-            self.accounting.finish(admitted, scope, estimate, user)
+            await self.app(scope, receive, channel)
+        except BaseException:
+            channel.end(failed=True)
+            raise
+        channel.end()  # no-op after the last message: for an answer its client left

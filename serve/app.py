@@ -171,7 +171,7 @@ class Gateway:
             await self.own(scope, receive, send)
             return
         if scope["type"] == "http":
-            send = response_channel(send)  # the one send wrapper of the request's layers
+            send = response_channel(send, scope)  # the one send wrapper of the request's layers
             http_metrics.count_responses(scope, send, self.metrics.http_responses)
             with self.access.request(scope, send):  # request id, then the access record
                 await self._entry(scope, receive, send)

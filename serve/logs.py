@@ -82,7 +82,7 @@ import secrets
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pythonjsonlogger.core import RESERVED_ATTRS
@@ -262,6 +262,13 @@ def note(**fields: Any) -> None:
         state.update(fields)
 
 
+def served_request_id() -> str | None:
+    """The request id of the request being served (its access record's; None outside a
+    request)."""
+    state = _REQUEST.get()
+    return None if state is None else state.get("request_id")
+
+
 def client_request_id(scope: Scope) -> str | None:
     """The client's ``X-Request-Id``, when at most :data:`MAX_REQUEST_ID_CHARS` printable
     characters (the intake's rule, ``serve.intake.request.check_request_id``), else None."""
@@ -313,13 +320,12 @@ class AccessLog:
                    frozenset(p.strip() for p in skip.split(",") if p.strip()),
                    enabled=not given.get("disable_uvicorn_access_log", False))
 
-    @contextlib.contextmanager
-    def request(self, scope: Scope, channel: ResponseChannel) -> Iterator[dict]:
-        """Serve one HTTP request inside this block: its request id set (a head hook puts it
-        in ``X-Request-Id``), its access record logged when the block ends. Yields the
-        request's state."""
+    def request(self, scope: Scope, channel: ResponseChannel) -> "_Served":
+        """``with access.request(scope, channel) as state:`` serve one HTTP request inside the
+        block: its request id set (a head hook puts it in ``X-Request-Id``), its access record
+        logged when the response ends (an end hook of ``channel``: its last message sent,
+        else the block's end). ``state`` is the request's state dict."""
         start = time.monotonic()
-        logged = self.enabled and scope.get("path") not in self.skip_paths
         state = scope.setdefault(REQUEST_STATE_KEY, {})
         state["request_id"] = client_request_id(scope) or secrets.token_hex(8)
         scope.setdefault("state", {})  # shared with vLLM's app, which reports usage there
@@ -330,20 +336,14 @@ class AccessLog:
             headers.append((REQUEST_ID_HEADER, state["request_id"].encode()))
             return {**message, "headers": headers}
 
+        def record(failed: bool) -> None:
+            if access_log.isEnabledFor(logging.INFO):
+                self.log(scope, state, start, time.monotonic(), failed)
+
         channel.on_head(echo)
-        token = _REQUEST.set(state)
-        failed = False
-        try:
-            yield state
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            try:
-                if logged and access_log.isEnabledFor(logging.INFO):
-                    self.log(scope, state, start, time.monotonic(), failed)
-            finally:
-                _REQUEST.reset(token)
+        if self.enabled and scope.get("path") not in self.skip_paths:
+            channel.on_end(record)
+        return _Served(state, channel)
 
     def log(self, scope: Scope, state: dict, start: float, end: float,
             failed: bool = False) -> None:
@@ -376,6 +376,29 @@ class AccessLog:
         if self.log_content and state.get("content") is not None:
             fields["content"] = state["content"]
         access_log.info("%s %s %s", fields["method"], fields["route"], status, extra=fields)
+
+
+class _Served:
+    """The block of :meth:`AccessLog.request`: the request's state is the current one
+    (:func:`note`) inside it, and the response ends (``ResponseChannel.end``, failed when an
+    exception leaves the block) when it exits. A class rather than a generator-based
+    context manager: it is entered once per HTTP request."""
+
+    __slots__ = ("state", "channel", "token")
+
+    def __init__(self, state: dict, channel: ResponseChannel) -> None:
+        self.state = state
+        self.channel = channel
+
+    def __enter__(self) -> dict:
+        self.token = _REQUEST.set(self.state)
+        return self.state
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.channel.end(failed=exc_type is not None)
+        finally:
+            _REQUEST.reset(self.token)
 
 
 def vllm_usage(scope: Scope) -> tuple[int | None, int | None]:

@@ -292,7 +292,7 @@ class StreamGuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        channel = response_channel(send)
+        channel = response_channel(send, scope)
         guard = _Guard(channel, dialect(scope.get("path")), self.incomplete_event)
         channel.gate(guard)
         try:

@@ -207,7 +207,7 @@ class RequestTrace:
         if not self._named and IMAGES_SCOPE_KEY in scope:
             # Past the intake, whose head hook (registered by now) echoes the request id.
             self._named = True
-            response_channel(send).on_head(self._request_id)
+            response_channel(send, scope).on_head(self._request_id)
         if self.stage_span is not None:
             self._end_stage(scope, self.stage.passed)
         if stage is not None:
@@ -287,7 +287,7 @@ class ServerSpanLayer:
                                       attributes={"http.request.method": "POST",
                                                   "url.path": path, "http.route": path})
         request = RequestTrace(self.tracer, span)
-        channel = response_channel(send)
+        channel = response_channel(send, scope)
         channel.on_head(request.on_head)
         scope = {**scope, TRACE_SCOPE_KEY: request}
         # Current in this task while the request runs (log records can name the trace).

@@ -164,6 +164,18 @@ class AdmissionLimiter:
             self.pending if tenant is None else self.queue.position(tenant))
 
     # --- admission ----------------------------------------------------------------------
+    def try_acquire(self, tokens: int = 0, tenant: str = DEFAULT_TENANT,
+                    user: str | None = None) -> Slot | None:
+        """A slot at once, when :meth:`acquire` would grant one without waiting (nobody
+        queued, :meth:`SlotCounter.admits`, not closed): a plain call for the common case.
+        None: nothing happened (the arrival is not counted); call :meth:`acquire`."""
+        if self._closed or self.queue or not self.slots.admits(tokens):
+            return None
+        start = self._clock()
+        self.slots.arrived()
+        self.queue.started(tenant, user)
+        return self._granted(self.slots.take(start, tokens), tenant, user)
+
     async def acquire(self, ttft_target_s: float | None = None, tokens: int = 0,
                       tenant: str = DEFAULT_TENANT, weight: float = 1.0,
                       user: str | None = None) -> Slot:

@@ -17,7 +17,6 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,6 +29,7 @@ from serve.asgi import (
     REQUEST_STATE_KEY,
     ClientGone,
     ResponseChannel,
+    buffered_body,
     read_body,
     replay,
     response_channel,
@@ -42,7 +42,6 @@ from serve.sse import CHAT_END, CHAT_SSE, SseDialect, dialect, is_event_stream
 from serve.tenants import ANONYMOUS, TENANT_SCOPE_KEY, USER_SCOPE_KEY
 
 
-@dataclass(eq=False)  # identity: the middleware keeps the open ones in a set
 class ResponseTracker:
     """Watches one response's ASGI messages: status, chunk count and times, completion; and
     can end the answer early (:meth:`cut`).
@@ -53,10 +52,17 @@ class ResponseTracker:
     role chunk or the channel's first token, whichever came first; its last is the end
     marker (``[DONE]``, a Responses end event), which the guard never passes unseen, so the
     span of a finished stream is exact, and its mean gap is known only once it finished.
+
+    Args:
+        arrival: when the request arrived, ``clock()`` seconds.
+        clock: monotonic clock, seconds.
+        sse: the route's SSE dialect.
+
+    A plain class (one per request, made on the path of every request: the attributes below
+    are class-level defaults until set), compared by identity (the middleware keeps the open
+    ones in a set).
     """
 
-    arrival: float
-    clock: Callable[[], float]
     status: int | None = None
     streaming: bool = False
     #: Body chunks seen here (a stream's chunks other than the channel's token chunks).
@@ -66,10 +72,16 @@ class ResponseTracker:
     done_marker: bool = False
     finished: bool = False
     client_left: bool = False
-    body: bytearray = field(default_factory=bytearray)
-    #: The route's SSE dialect: what marks a streamed answer's normal end.
-    sse: SseDialect = CHAT_SSE
-    _channel: ResponseChannel | None = field(default=None, repr=False)
+    #: The body of an answer that is no stream (its first MiB), for its usage.
+    body: bytearray | None = None
+    _channel: ResponseChannel | None = None
+
+    def __init__(self, arrival: float, clock: Callable[[], float],
+                 sse: SseDialect = CHAT_SSE) -> None:
+        self.arrival = arrival
+        self.clock = clock
+        #: The route's SSE dialect: what marks a streamed answer's normal end.
+        self.sse = sse
 
     @property
     def is_cut(self) -> bool:
@@ -127,6 +139,8 @@ class ResponseTracker:
                         self.last_chunk_s = now
                         self.chunks += 1
                     if not self.streaming:
+                        if self.body is None:
+                            self.body = bytearray()
                         if len(self.body) < 1 << 20:
                             self.body.extend(chunk)
                     else:
@@ -186,7 +200,7 @@ class ResponseTracker:
         """Answer tokens of a non-streamed response (``usage.completion_tokens``, or the
         Responses API's ``usage.output_tokens``)."""
         with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
-            usage = json.loads(bytes(self.body))["usage"]
+            usage = json.loads(bytes(self.body or b""))["usage"]
             return int(usage.get("completion_tokens", usage.get("output_tokens")))
         return None
 
@@ -259,16 +273,21 @@ class AdmissionMiddleware:
         metrics = self.metrics
         arrival = self.clock()
         try:
-            body = await read_body(receive)
+            body = buffered_body(receive)
+            if body is None:
+                body = await read_body(receive)
+                receive = replay(body, receive)
             metrics.requests.inc()
-            # Counted by the intake, which already parsed the body (0 for /v1/completions).
-            metrics.images.observe(scope.get(IMAGES_SCOPE_KEY, 0))
             tenant = scope.get(TENANT_SCOPE_KEY, ANONYMOUS)
-            slot = await self._acquire(receive, scope.get(PROMPT_TOKENS_SCOPE_KEY, 0),
-                                       tenant.name, tenant.weight, scope.get(USER_SCOPE_KEY))
+            tokens, user = scope.get(PROMPT_TOKENS_SCOPE_KEY, 0), scope.get(USER_SCOPE_KEY)
+            # While queued, the client's own messages tell a disconnect (not the body's replay).
+            slot = (self.limiter.try_acquire(tokens, tenant.name, user)
+                    or await self._acquire(receive.receive, tokens, tenant.name, tenant.weight,
+                                           user))
         except ClientGone:
             return
         except Rejected as rej:
+            metrics.images.observe(scope.get(IMAGES_SCOPE_KEY, 0))
             note(reject_reason=rej.reason, queue_wait_s=rej.queue_wait_s)  # the access record
             headers = {"Retry-After": str(rej.retry_after_s), "X-Phi3v-Reject-Reason": rej.reason}
             if rej.reason == UNAVAILABLE:  # shutting down or engine lost: not a rate limit
@@ -281,52 +300,72 @@ class AdmissionMiddleware:
                                         headers=headers)
             await response(scope, receive, send)
             return
-        metrics.queue_wait.observe(slot.queue_wait_s)
-        note(queue_wait_s=slot.queue_wait_s)
         if self.engine_alive is not None and not self.engine_alive():
+            metrics.images.observe(scope.get(IMAGES_SCOPE_KEY, 0))
+            metrics.queue_wait.observe(slot.queue_wait_s)
             slot.release(completed=False)
-            note(reject_reason=UNAVAILABLE)
+            note(queue_wait_s=slot.queue_wait_s, reject_reason=UNAVAILABLE)
             await openai_error(503, ENGINE_LOST, type_="service_unavailable",
                                headers={"Retry-After": str(RETRY_AFTER_S)})(
                 scope, receive, send)
             return
         tracker = ResponseTracker(arrival, self.clock, sse=dialect(scope.get("path")))
         self.open.add(tracker)
+        channel = tracker.attach(response_channel(send, scope))
+        # The slot and the request's counts are settled when the answer ends (its last
+        # message sent), before its client's next request (serve.asgi.ResponseChannel.on_end).
+        state = scope.get(REQUEST_STATE_KEY)
+        images = scope.get(IMAGES_SCOPE_KEY, 0)
+        channel.on_end(lambda failed: self._finished(tracker, slot, arrival, images, state))
         try:
-            await self.app(scope, tracker.watch(replay(body, receive),
-                                                scope.get(REQUEST_STATE_KEY)),
-                           tracker.attach(response_channel(send)))
-        finally:
-            self.open.discard(tracker)
-            completed = tracker.completed
-            first = tracker.chunk_span()[1]
-            if not tracker.streaming:
-                first = None
-            slot.release(completed=completed, first_token_at=first)
-            if tracker.client_left:
-                metrics.aborted.inc()
+            await self.app(scope, tracker.watch(receive, state), channel)
+        except BaseException:
+            channel.end(failed=True)
+            raise
+        channel.end()  # no-op after the last message: for an answer its client left
+
+    def _finished(self, tracker: ResponseTracker, slot, arrival: float, images: int,
+                  state: dict | None) -> None:
+        """The answer of ``tracker`` ended: release ``slot`` and count the request (its
+        ``images``, as the intake counted them; queue wait, finished, aborted, TTFT,
+        goodput), noting its access record's fields in ``state`` (the gateway's per-request
+        dict; None: the current request's, ``serve.logs.note``: the hook may run in another
+        task, a drain's). Counting here rather than on arrival keeps the work off the path
+        of the requests arriving meanwhile."""
+        metrics = self.metrics
+        note_ = note if state is None else state.update
+        metrics.images.observe(images)
+        metrics.queue_wait.observe(slot.queue_wait_s)
+        note_(queue_wait_s=slot.queue_wait_s)
+        self.open.discard(tracker)
+        completed = tracker.completed
+        first = tracker.chunk_span()[1]
+        if not tracker.streaming:
+            first = None
+        slot.release(completed=completed, first_token_at=first)
+        if tracker.client_left:
+            metrics.aborted.inc()
+        if first is not None:
+            note_(first_token_s=first)
+        # For the tenant's bill where vLLM reports no usage (serve.accounting).
+        answer_tokens = tracker.answer_tokens()
+        note_(answer_tokens=answer_tokens)
+        if completed:
+            metrics.finished.inc()
             if first is not None:
-                note(first_token_s=first)
-            # For the tenant's bill where vLLM reports no usage (serve.accounting).
-            answer_tokens = tracker.answer_tokens()
-            note(answer_tokens=answer_tokens)
-            if completed:
-                metrics.finished.inc()
-                if first is not None:
-                    metrics.ttft.observe(first - arrival)
-                if tracker.meets(self.slo, answer_tokens):
-                    metrics.goodput.inc()
-                    note(goodput=True)  # the tenant's goodput (serve.accounting)
+                metrics.ttft.observe(first - arrival)
+            if tracker.meets(self.slo, answer_tokens):
+                metrics.goodput.inc()
+                note_(goodput=True)  # the tenant's goodput (serve.accounting)
 
     async def _acquire(self, receive: Receive, tokens: int = 0, tenant: str = DEFAULT_TENANT,
                        weight: float = 1.0, user: str | None = None):
-        """Take a slot for a request of ``tokens`` prompt tokens (the intake's estimate; 0:
-        unknown) of ``tenant`` (weight ``weight``; ``user``: a trusted front end's end user,
-        :meth:`AdmissionLimiter.acquire`), giving up (``ClientGone``) if the client
+        """Wait for a slot (:meth:`AdmissionLimiter.try_acquire` found none free) for a request
+        of ``tokens`` prompt tokens (the intake's estimate; 0: unknown) of ``tenant`` (weight
+        ``weight``; ``user``: a trusted front end's end user, :meth:`AdmissionLimiter.acquire`),
+        giving up (``ClientGone``) if the client
         disconnects while queued."""
         lim = self.limiter
-        if lim.pending == 0 and lim.slots.admits(tokens):
-            return await lim.acquire(tokens=tokens, tenant=tenant, weight=weight, user=user)
         acquire = asyncio.ensure_future(lim.acquire(ttft_target_s=self.slo.ttft_s,
                                                     tokens=tokens, tenant=tenant,
                                                     weight=weight, user=user))

@@ -36,6 +36,7 @@ from serve.asgi import (
     PROMPT_TOKENS_SCOPE_KEY,
     ClientGone,
     ResponseChannel,
+    buffered_body,
     read_body,
     replay,
     response_channel,
@@ -57,7 +58,7 @@ from serve.intake.request import (
 from serve.intake.responses import parse_responses_request
 from serve.intake.urls import UrlPolicy, fetch_image_url
 from serve.intake.workers import ImageWorkers
-from serve.logs import note
+from serve.logs import note, served_request_id
 from serve.routes import CHAT, COMPLETIONS, GENERATION_ROUTES, RESPONSES
 from serve.tenants import ANONYMOUS, TENANT_SCOPE_KEY, USER_SCOPE_KEY
 
@@ -116,11 +117,11 @@ class IntakeMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            raw = await read_body(receive)
+            raw = buffered_body(receive) or await read_body(receive)
         except ClientGone:
             return
         header_id = None
-        channel = response_channel(send)
+        channel = response_channel(send, scope)
         try:
             scope, header_id = unique_request_id_header(scope)
             check_content_encoding(scope)
@@ -214,7 +215,9 @@ class IntakeMiddleware:
         if protocol == RESPONSES:
             request.request_id = data.get("request_id") or header_id or new_request_id("resp_")
         else:
-            request.request_id = header_id or data.get("request_id") or new_request_id()
+            # Without an id of the client's, the access record's (as random as a new one).
+            request.request_id = (header_id or data.get("request_id") or served_request_id()
+                                  or new_request_id())
         if header_id is None or protocol == RESPONSES:
             data["request_id"] = request.request_id
         note(request_id=request.request_id)  # on every log record from here (serve.logs)
