@@ -15,7 +15,9 @@ holds, and restored on idle to what the recent traffic fits.
   saturated); after a latency cut, until the next idle restore, by
   :data:`SLOW_PROBE_RATIO` of it (the limit that overloaded lies just above);
   never past the **KV fit** (:func:`serve.admission.fits.kv_fit`: what the
-  cache holds at the running requests' mean size; past it vLLM preempts).
+  cache holds at the running requests' mean size; past it vLLM preempts). The requests the
+  next probe would admit are queued, not shed for their expected wait
+  (:meth:`Controller.probe_room`).
 - **Restore** on idle (nothing in flight or queued, nothing arrived since the last sample):
   the limit becomes :meth:`Controller.idle_limit`, the boot figure (``start``, the KV-safe
   capacity) until requests have finished, then what the recent traffic fits: the smaller of
@@ -201,8 +203,17 @@ class Controller:
     def burst_cap(self, s: Signals | None) -> int:
         """The most requests a burst admitted by its prefill budget may put in flight: the
         idle limit (:meth:`idle_limit`) without its TTFT fit, which the budget replaces with
-        the burst's own sizes; the KV size fit still bounds it. ``start`` before any sample."""
-        return self.start if s is None else self._traffic_limit(s, ttft_fit=False)
+        the burst's own sizes; the KV size fit still bounds it once a request has finished.
+        Before that, the ceiling: ``start`` assumes the largest image in every request,
+        while the budget counts the burst's own prompt tokens (a burst of chats at boot
+        would otherwise stop at the count a burst of the largest images fits), and the KV
+        cut and the preemption cut answer a burst whose answers outgrow the cache.
+        ``start`` where no capacity was set (no budget then)."""
+        if not self.kv_tokens:
+            return self.start
+        if s is None or s.mean_request_tokens is None:
+            return self.config.ceiling
+        return self._traffic_limit(s, ttft_fit=False)
 
     def _traffic_limit(self, s: Signals, ttft_fit: bool) -> int:
         c = self.config
@@ -236,6 +247,14 @@ class Controller:
             return "slo_itl"
         return None
 
+    def _probe_step(self) -> int:
+        """Requests one probe adds to the limit now (before the bounds)."""
+        c = self.config
+        if c.on("slow_probe") and self._cut_since_idle:
+            # Past a latency cut the limit that overloaded lies close above.
+            return max(1, math.ceil(self.limit * SLOW_PROBE_RATIO))
+        return min(c.max_step, max(1, math.ceil(self.limit * c.increase_ratio)))
+
     def has_headroom(self, s: Signals) -> bool:
         """Latency (and GPU, when known) leave room for more sequences. A window without
         samples (no request has finished yet) does not block a probe; the KV fit still
@@ -247,6 +266,23 @@ class Controller:
             itl_ok = itl_ok and s.itl_now_s < c.headroom * c.itl_target_s
         gpu_ok = s.gpu_utilization is None or s.gpu_utilization < c.gpu_busy_ratio
         return ttft_ok and itl_ok and gpu_ok
+
+    def probe_room(self, s: Signals) -> int:
+        """Requests the next decision would add to the limit for a queue, judged on sample
+        ``s`` (rule ``probe_no_shed``): the probe's step when nothing says overload and both
+        latencies have headroom, up to the ceiling and the KV fit; 0 otherwise. The limiter
+        queues that many instead of shedding them (:meth:`serve.admission.slots.SlotCounter.
+        set_probe_room`): the expected wait it sheds by is Little's law at today's limit,
+        which the probe is about to raise."""
+        c = self.config
+        if not c.on("probe_no_shed") or self.overload_reason(s) is not None \
+                or not self.has_headroom(s):
+            return 0
+        top = c.ceiling
+        fit = self.kv_fit(s)
+        if fit is not None:
+            top = min(top, fit)
+        return max(0, min(self._probe_step(), top - self.limit))
 
     def kv_fit(self, s: Signals) -> int | None:
         """Sequences the KV cache holds below ``kv_high_ratio`` at the current mix
@@ -267,11 +303,7 @@ class Controller:
             if new == old:
                 reason = "bound"
         elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s):
-            step = min(c.max_step, max(1, math.ceil(old * c.increase_ratio)))
-            if c.on("slow_probe") and self._cut_since_idle:
-                # Past a latency cut the limit that overloaded lies close above.
-                step = max(1, math.ceil(old * SLOW_PROBE_RATIO))
-            new = self._clamp(old + step)
+            new = self._clamp(old + self._probe_step())
             reason = "demand"
             fit = self.kv_fit(s)
             if fit is not None and new > fit:

@@ -122,6 +122,7 @@ class AutotuneLoop:
         self.controller.reset()
         self.feed.forget()
         self.limiter.set_burst_budget(None, None)
+        self.limiter.slots.set_probe_room(0)
         self.last_signals = None
         self.mode, self.mode_label = ("auto" if mode == "auto" else "static"), mode
         self.feed.on_prefill_rate = self._set_burst_budget if mode == "auto" else None
@@ -163,6 +164,7 @@ class AutotuneLoop:
         self.metrics.set_gpu_utilization(signals.gpu_utilization)
         if self.mode == "auto":
             decision = self.controller.step(signals)
+            self.limiter.slots.set_probe_room(self.controller.probe_room(signals))
             self._set_burst_budget(signals.prefill_tokens_per_s)
             if decision.new_limit != self.limiter.limit:
                 self.limiter.set_limit(decision.new_limit)
@@ -204,6 +206,7 @@ class AutotuneLoop:
             "capacity": self.limiter.capacity,
             "burst_budget": self.limiter.slots.burst_budget,
             "burst_cap": self.limiter.slots.burst_cap,
+            "probe_room": self.limiter.slots.probe_room,
             "engine_queue": self.limiter.engine_queue,
             "in_flight": self.limiter.in_flight,
             "pending": self.limiter.pending,

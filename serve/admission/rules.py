@@ -35,6 +35,8 @@ RULES: dict[str, str] = {
                          "(none before a rate is known)",
     "slow_probe": "after a latency cut (until idle) a probe adds 5 % of the limit (at least "
                   "one request), not a quarter",
+    "probe_no_shed": "a queued request the next probe would admit is not shed for its "
+                     "expected wait",
     "itl_now": "the mean token gap of the last seconds counts as an ITL signal",
     "fair_below_share": "a tenant below its share of the slots is not shed for the engine "
                         "queue others filled",

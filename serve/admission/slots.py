@@ -124,6 +124,7 @@ class SlotCounter:
         self.ablate = check_rules(ablate)
         #: Admission past the limit of a burst at an idle engine (:meth:`admits`).
         self.bursts = BurstAdmission(burst_window_s, clock)
+        self.probe_room = 0  #: queued requests the next probe admits (:meth:`set_probe_room`)
         self.ceiling = ceiling
         self.engine_queue = engine_queue
         self.engine_queue_wait_s = engine_queue_wait_s
@@ -229,6 +230,12 @@ class SlotCounter:
         self.bursts.budget = tokens
         self.bursts.cap = cap
         self._notify()
+
+    def set_probe_room(self, requests: int) -> None:
+        """The first ``requests`` places of the queue are not shed (:meth:`slo_wait_s`): the
+        autotuner's next probe admits them (:meth:`serve.admission.controller.Controller.
+        probe_room`). Its loop writes it at each decision; 0 (a fixed limit): off."""
+        self.probe_room = max(0, requests)
 
     def set_limit(self, limit: int) -> None:
         """Change the limit now. Raising it makes room at once; lowering it admits nothing
@@ -362,9 +369,11 @@ class SlotCounter:
         drain rate measured on other traffic while the engine is busy with the burst itself
         (on a loaded CI machine a burst of 8 short chats at an idle server lost 3 to
         ``slo``, and ``make bench``'s W4 one of 96, while plain vLLM served all). Sustained
-        traffic, which keeps the counter busy, is shed as before.
+        traffic, which keeps the counter busy, is shed as before. Nor are the first
+        :attr:`probe_room` places of the queue, which the next probe admits.
         """
-        if ttft_target_s is None or "slo_shed" in self.ablate or (
+        if ttft_target_s is None or "slo_shed" in self.ablate or \
+                position < self.probe_room or (
                 self.bursts.current() is not None and "burst_no_shed" not in self.ablate):
             return None
         wait = self.expected_wait_s(position, ahead)

@@ -204,13 +204,32 @@ def test_burst_budget_is_the_ttft_fit_in_tokens():
 
 
 def test_burst_cap_is_the_idle_limit_without_its_ttft_fit():
-    """The budget replaces the TTFT fit; the KV size fit still caps a burst."""
+    """The budget replaces the TTFT fit; the KV size fit still caps a burst. Before any
+    request finished (no size known) the ceiling caps it, not the start, which assumes the
+    largest image in every request: the budget counts the burst's own prompt tokens."""
     c = Controller(CFG, limit=8)
+    assert c.burst_cap(None) == c.start == 8  # no capacity set: no budget, the count only
     c.set_capacity(64_000)
-    assert c.burst_cap(None) == c.start
+    assert c.burst_cap(None) == CFG.ceiling
+    assert c.burst_cap(Signals(t=0, prefill_tokens_per_s=5000)) == CFG.ceiling
     s = Signals(t=0, mean_request_tokens=2000, mean_prompt_tokens=1000,
                 prefill_tokens_per_s=5000)
     assert c.idle_limit(s) == 5  # 5,000 tokens/s x 1 s / 1,000 tokens
     assert c.burst_cap(s) == int(64_000 * CFG.kv_high_ratio / 2000)  # the KV fit only
 
 
+
+
+def test_the_probe_room_is_what_the_next_decision_adds_for_a_queue():
+    """``probe_no_shed``: the requests the next probe would admit (the limiter queues them
+    instead of shedding them for an expected wait measured at today's limit)."""
+    c = Controller(CFG, limit=32)
+    assert c.probe_room(busy(0, 32)) == 8  # a quarter of the limit, below max_step
+    assert c.step(busy(0, 32)).new_limit == 40  # the probe adds just that
+    assert c.probe_room(busy(2, 40, kv_cache_usage=0.85)) == 4  # up to the KV fit: 44
+    assert c.probe_room(busy(2, 40, ttft_p90_s=0.8)) == 0  # no latency headroom
+    assert c.probe_room(busy(2, 40, preemptions=1)) == 0  # overload
+    c.set_start(64)
+    assert c.probe_room(busy(4, 64)) == 0  # at the ceiling
+    off = Controller(dataclasses.replace(CFG, ablate=frozenset({"probe_no_shed"})), limit=32)
+    assert off.probe_room(busy(0, 32)) == 0

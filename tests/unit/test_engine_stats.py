@@ -239,5 +239,38 @@ def test_the_loop_gives_a_burst_the_prefill_budget_its_rate_fits():
         clock.t += 0.5
         feed.record(Sched(8, 4), Iter(4000, [0.5] * 4))  # 8,000 prompt tokens/s
         assert limiter.slots.burst_budget == expected, mode
-        # ... and a cap: the idle limit without its TTFT fit (the start before any tick).
-        assert limiter.slots.burst_cap == (8 if expected else None), mode
+        # ... and a cap: the idle limit without its TTFT fit (the ceiling before any
+        # request finished: the budget counts the burst's own sizes).
+        assert limiter.slots.burst_cap == (32 if expected else None), mode
+
+
+async def test_the_loop_tells_the_limiter_what_its_next_probe_admits():
+    """Each decision in mode auto writes the probe room (``probe_no_shed``) into the
+    limiter: the requests the next probe would add while the limit binds with latency
+    headroom; switching to a fixed limit clears it."""
+    import asyncio
+    import dataclasses
+
+    from serve.admission.controller import Controller, ControllerConfig
+    from serve.admission.limiter import AdmissionLimiter
+    from serve.admission.loop import AutotuneLoop
+    from serve.settings import Settings
+
+    cfg = dataclasses.replace(ControllerConfig.from_settings(Settings(device="cuda")),
+                              ceiling=32, min_seqs=1)
+    clock = Clock()
+    limiter = AdmissionLimiter(8, max_queue=100, max_queue_wait_s=60, clock=clock, ceiling=32)
+    loop = AutotuneLoop(Controller(cfg, 8), limiter, EngineStatsFeed(clock=clock),
+                        mode="auto", interval_s=1.0, clock=clock)
+    held = [await limiter.acquire() for _ in range(8)]
+    waiting = asyncio.create_task(limiter.acquire())
+    await asyncio.sleep(0)
+    clock.t += 1.0
+    decision = loop.tick()
+    assert (decision.reason, decision.new_limit) == ("demand", 10)  # 8 + a quarter
+    assert limiter.slots.probe_room == 3  # the next probe: a quarter of 10
+    loop.set_mode("static", 8)
+    assert limiter.slots.probe_room == 0
+    (await waiting).release()
+    for slot in held:
+        slot.release()

@@ -558,3 +558,29 @@ async def test_a_queued_request_taking_the_last_freed_slot_opens_no_burst():
     for t in queued:
         (await asyncio.wait_for(t, 1)).release()
     assert lim.in_flight == 0
+
+
+async def test_the_requests_the_next_probe_admits_are_queued_not_shed():
+    """The expected wait is Little's law at the limit now; the autotuner's next probe raises
+    it (``probe_no_shed``): the first ``probe_room`` places of the queue wait for it, the
+    rest are shed as before, and a fixed limit (room 0) sheds them all."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=1, max_queue=100, max_queue_wait_s=60, clock=clock)
+    await serve_one_by_one(lim, clock, 4, 1.0)  # a drain rate of 1 request/s
+    held = await lim.acquire()
+    clock.t += 2.5  # past the burst window: sustained traffic
+    lim.slots.set_probe_room(3)
+    queued = [asyncio.create_task(lim.acquire(ttft_target_s=0.5)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert lim.pending == 3  # expected waits 1, 2 and 3 s > 0.5 s, within the room
+    with pytest.raises(Rejected) as exc:
+        await lim.acquire(ttft_target_s=0.5)  # 4th in line: past the room
+    assert exc.value.reason == SLO
+    lim.slots.set_probe_room(0)
+    with pytest.raises(Rejected):
+        await lim.acquire(ttft_target_s=0.5)
+    lim.set_limit(4)  # the probe
+    for t in queued:
+        (await t).release()
+    held.release()
+    assert lim.in_flight == 0 and lim.pending == 0
