@@ -269,20 +269,25 @@ class Controller:
 
     def probe_room(self, s: Signals) -> int:
         """Requests the next decision would add to the limit for a queue, judged on sample
-        ``s`` (rule ``probe_no_shed``): the probe's step when nothing says overload and both
-        latencies have headroom, up to the ceiling and the KV fit; 0 otherwise. The limiter
-        queues that many instead of shedding them (:meth:`serve.admission.slots.SlotCounter.
-        set_probe_room`): the expected wait it sheds by is Little's law at today's limit,
-        which the probe is about to raise."""
-        c = self.config
-        if not c.on("probe_no_shed") or self.overload_reason(s) is not None \
+        ``s`` (rule ``probe_no_shed``): what :meth:`_probe` adds when nothing says overload
+        and both latencies have headroom; 0 otherwise. The limiter queues that many instead
+        of shedding them (:meth:`serve.admission.slots.SlotCounter.set_probe_room`): the
+        expected wait it sheds by is Little's law at today's limit, which the probe is about
+        to raise."""
+        if not self.config.on("probe_no_shed") or self.overload_reason(s) is not None \
                 or not self.has_headroom(s):
             return 0
-        top = c.ceiling
+        return self._probe(s)[0] - self.limit
+
+    def _probe(self, s: Signals) -> tuple[int, str]:
+        """The limit one probe from the limit now reaches, and why: ``demand`` (the probe's
+        step, within the bounds) or ``kv_fit`` (stopped at the KV fit, never below the limit
+        now)."""
+        new = self._clamp(self.limit + self._probe_step())
         fit = self.kv_fit(s)
-        if fit is not None:
-            top = min(top, fit)
-        return max(0, min(self._probe_step(), top - self.limit))
+        if fit is not None and new > fit:
+            return max(self.limit, fit), "kv_fit"
+        return new, "demand"
 
     def kv_fit(self, s: Signals) -> int | None:
         """Sequences the KV cache holds below ``kv_high_ratio`` at the current mix
@@ -303,11 +308,7 @@ class Controller:
             if new == old:
                 reason = "bound"
         elif s.in_flight >= old and s.pending > 0 and self.has_headroom(s):
-            new = self._clamp(old + self._probe_step())
-            reason = "demand"
-            fit = self.kv_fit(s)
-            if fit is not None and new > fit:
-                new, reason = max(old, fit), "kv_fit"
+            new, reason = self._probe(s)
             direction = "up" if new > old else "hold"
             if new == old and reason == "demand":
                 reason = "bound"

@@ -218,8 +218,6 @@ def test_burst_cap_is_the_idle_limit_without_its_ttft_fit():
     assert c.burst_cap(s) == int(64_000 * CFG.kv_high_ratio / 2000)  # the KV fit only
 
 
-
-
 def test_the_probe_room_is_what_the_next_decision_adds_for_a_queue():
     """``probe_no_shed``: the requests the next probe would admit (the limiter queues them
     instead of shedding them for an expected wait measured at today's limit)."""
