@@ -38,6 +38,7 @@ class Burst:
         waited: one of its requests had to wait (the limit, the cap or the budget held it).
         tokens, requests: prompt tokens and requests of known size admitted so far.
         held: the budget held a request back (the rest of the burst is late).
+        arrivals: requests that arrived while it was open, the first included.
     """
 
     opened_s: float
@@ -47,6 +48,7 @@ class Burst:
     tokens: int = 0
     requests: int = 0
     held: bool = False
+    arrivals: int = 1
 
 
 class BurstAdmission:
@@ -105,6 +107,13 @@ class BurstAdmission:
             burst.held = True  # the rest of the burst is late
             return False
         return True
+
+    def arrived(self) -> None:
+        """A request arrived now (before it is admitted or queued): the open burst counts
+        it."""
+        burst = self.current()
+        if burst is not None:
+            burst.arrivals += 1
 
     def count(self, tokens: int) -> None:
         """One request of ``tokens`` prompt tokens (0: unknown) was admitted now: the open

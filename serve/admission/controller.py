@@ -4,8 +4,8 @@ Algorithm: AIMD with hysteresis, gated by latency headroom, bounded by what the 
 holds, and restored on idle to what the recent traffic fits.
 
 - **Decrease** multiplicatively (``limit x decrease_factor``) on any sign of overload
-  (:meth:`Controller.overload_reason`): a preemption since the last tick, KV-cache usage at or
-  above ``kv_high_ratio``, the engine-side TTFT p90 over its target, the p90 of the
+  (:meth:`Controller.overload_reason`): KV-cache usage at or above ``kv_high_ratio`` (vLLM
+  preempts past it), the engine-side TTFT p90 over its target, the p90 of the
   finished requests' mean inter-token latency (TPOT) over the ITL target, or the mean token
   gap of the last seconds (``Signals.itl_now_s``) over it: the TPOT shows a limit only when
   the requests it admitted finish, the gaps at the next engine step.
@@ -207,7 +207,7 @@ class Controller:
         Before that, the ceiling: ``start`` assumes the largest image in every request,
         while the budget counts the burst's own prompt tokens (a burst of chats at boot
         would otherwise stop at the count a burst of the largest images fits), and the KV
-        cut and the preemption cut answer a burst whose answers outgrow the cache.
+        cut answers a burst whose answers outgrow the cache.
         ``start`` where no capacity was set (no budget then)."""
         if not self.kv_tokens:
             return self.start
@@ -232,11 +232,10 @@ class Controller:
         return max(self.config.min_seqs, min(self.config.ceiling, n))
 
     def overload_reason(self, s: Signals) -> str | None:
-        """Why the engine is overloaded now (``preemption``, ``kv_cache``, ``slo_ttft``,
-        ``slo_itl``), or None."""
+        """Why the engine is overloaded now (``kv_cache``, ``slo_ttft``, ``slo_itl``), or None.
+        A preemption is no sign of its own: it follows the KV-cache usage the ``kv_cache`` cut
+        reads, and a cut on it as well earned less than 2 % (the ablation table)."""
         c = self.config
-        if s.preemptions > 0 and c.on("preemption_cut"):
-            return "preemption"
         if s.kv_cache_usage >= c.kv_high_ratio and c.on("kv_cache_cut"):
             return "kv_cache"
         if s.ttft_p90_s is not None and s.ttft_p90_s > c.ttft_target_s:

@@ -234,11 +234,12 @@ class AdmissionLimiter:
         except asyncio.TimeoutError:
             self._abandon(tenant, waiter)
             if deadline:
+                first = self.slots.first_token_s()
+                recently = "" if first is None else f" (recently {first:.1f}s)"
                 raise Rejected(SLO, self.retry_after_s(tenant),
                                f"Server busy: {who}not admitted within {timeout:.1f}s, what "
                                f"the TTFT target {ttft_target_s:.1f}s leaves before the "
-                               f"engine's first token (recently "
-                               f"{self.slots.first_token_s():.1f}s).",
+                               f"engine's first token{recently}.",
                                queue_wait_s=self._clock() - start) from None
             raise Rejected(QUEUE_TIMEOUT, self.retry_after_s(tenant),
                            f"Server busy: {who}not admitted within max_queue_wait_s="

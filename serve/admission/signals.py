@@ -13,8 +13,8 @@ from typing import Literal
 Direction = Literal["up", "down", "hold"]
 
 #: ``reason`` label values of ``phi3v_autotuner_decisions_total``.
-REASONS = ("demand", "kv_fit", "slo_ttft", "slo_itl", "preemption", "kv_cache", "steady",
-           "idle", "static", "bound")
+REASONS = ("demand", "kv_fit", "slo_ttft", "slo_itl", "kv_cache", "steady", "idle", "static",
+           "bound")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class Signals:
         engine_running: vLLM ``num_requests_running``.
         engine_waiting: vLLM ``num_requests_waiting``.
         kv_cache_usage: vLLM KV-cache usage, 0-1.
-        preemptions: engine preemptions since the previous sample.
+        preemptions: engine preemptions since the previous sample (shown in
+            ``GET /admin/autotuner``; the controller cuts on the KV-cache usage before them).
         ttft_p90_s: engine-side TTFT p90 over the sliding window, seconds (None: no samples).
         itl_p90_s: p90 over the requests finished in the window of their mean inter-token
             latency (TPOT: what the goodput rule judges a request by), seconds (None: no

@@ -98,9 +98,7 @@ class SlotCounter:
             request admitted into the engine queue (the TTFT target; None: no bound). Once
             the completion rate is known, the engine queue holds at most ``rate x
             engine_queue_wait_s`` requests (:attr:`capacity`): the rest wait at the gateway,
-            where SLO shedding sees them, instead of inside vLLM past their TTFT target (on
-            the CPU suite's T6, chat at 2x capacity, 32 engine-queued requests waited ~5 s
-            for a slot against a 2-s target).
+            where SLO shedding sees them, instead of inside vLLM past their TTFT target.
         on_free: called (no arguments) whenever room may have appeared: a slot released,
             the limit raised or the burst budget changed (the queueing half admits its next
             waiters then).
@@ -254,10 +252,9 @@ class SlotCounter:
         (clock seconds); the caller checked :meth:`admits` (or the limit was lowered
         meanwhile: the slot is counted anyway). ``queued``: it waited in the caller's queue.
         A request that reaches an idle counter on arrival (not ``queued``) opens a burst; a
-        queued one that takes the slot the last release freed does not (at limit 1 each
-        completion leaves the counter empty for an instant, and a new burst there would
-        stop SLO shedding and let the queue in past the limit). A burst's requests are
-        counted even before a budget is known, for one measured on the burst itself."""
+        queued one that takes the slot the last release freed does not (a new burst there
+        would stop SLO shedding). A burst's requests are counted even before a budget is
+        known, for one measured on the burst itself."""
         now = self.clock()
         if self._in_flight == 0 and not queued:
             self.bursts.open(self._limit)
@@ -284,20 +281,24 @@ class SlotCounter:
         return percentile(list(self._first_tokens), 90)
 
     def queue_wait_bound_s(self, ttft_target_s: float | None) -> float | None:
-        """The longest a request may still wait for a slot and meet ``ttft_target_s``: the
-        target less :meth:`first_token_s`, at least 0 (rule ``queue_deadline``). A request
-        still queued past it can no longer be a good answer, while the slot it would take
-        can serve one that still can; holding it delays every request behind it too.
-
-        None (no bound beyond the caller's ``max_queue_wait_s``): no target, no first token
-        seen yet, the rule ablated, or a burst at an idle counter open, whose requests wait
-        for its first wave as in :meth:`slo_wait_s`.
+        """The longest a request queued now may wait for a slot and still meet
+        ``ttft_target_s`` (rule ``queue_deadline``): the target less :meth:`first_token_s`,
+        at least 0; the whole target (a TTFT is at least the queue wait) before a first token
+        was seen, and in a burst at an idle counter past the ceiling (the limit where none is
+        set; its first wave is not in the recent first tokens yet). None (no bound but the
+        caller's ``max_queue_wait_s``): no target, the rule ablated, or an open burst of at
+        most the ceiling so far, whose requests wait for its first wave as plain vLLM's
+        waiting queue keeps them (``burst_no_shed``, as in :meth:`slo_wait_s`).
         """
-        first = self.first_token_s()
-        if ttft_target_s is None or first is None or "queue_deadline" in self.ablate or (
-                self.bursts.current() is not None and "burst_no_shed" not in self.ablate):
+        if ttft_target_s is None or "queue_deadline" in self.ablate:
             return None
-        return max(0.0, ttft_target_s - first)
+        first = self.first_token_s()
+        burst = self.bursts.current()
+        if burst is not None and "burst_no_shed" not in self.ablate:
+            if burst.arrivals <= (self.ceiling or self._limit):
+                return None
+            first = None
+        return max(0.0, ttft_target_s - (first or 0.0))
 
     def _notify(self) -> None:
         if self.on_free is not None:
@@ -366,10 +367,8 @@ class SlotCounter:
         at most :attr:`burst_window_s` after one of it had to wait): the
         requests of a burst the limit or its prefill budget holds back wait for its first
         wave, as plain vLLM's waiting queue would keep them, instead of being refused by a
-        drain rate measured on other traffic while the engine is busy with the burst itself
-        (on a loaded CI machine a burst of 8 short chats at an idle server lost 3 to
-        ``slo``, and ``make bench``'s W4 one of 96, while plain vLLM served all). Sustained
-        traffic, which keeps the counter busy, is shed as before. Nor are the first
+        drain rate measured on other traffic while the engine is busy with the burst itself.
+        Sustained traffic, which keeps the counter busy, is shed as before. Nor are the first
         :attr:`probe_room` places of the queue, which the next probe admits.
         """
         if ttft_target_s is None or "slo_shed" in self.ablate or \
@@ -381,8 +380,10 @@ class SlotCounter:
 
     def arrived(self) -> None:
         """Count a request arriving (whatever then becomes of it): the autotuner tells an
-        idle server from one that refuses everything."""
+        idle server from one that refuses everything; an open burst counts it too
+        (:meth:`queue_wait_bound_s`)."""
         self._arrivals += 1
+        self.bursts.arrived()
 
     def snapshot(self, pending: int) -> LimiterSnapshot:
         """What the autotuner reads each tick, with ``pending`` requests in the caller's

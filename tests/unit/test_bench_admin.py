@@ -65,7 +65,7 @@ async def test_each_mode_starts_from_the_boot_state():
         feed.request_tokens.append(500)
         feed._prefill_rate, feed._prefill_rate_s = 9000.0, feed.clock()
         loop.mode = "auto"
-        loop.controller.step(Signals(t=0, pending=5, in_flight=start, preemptions=1))
+        loop.controller.step(Signals(t=0, pending=5, in_flight=start, kv_cache_usage=0.99))
         assert loop.controller.limit != start and loop.controller.decisions
         r = await c.post(PATH, json={"mode": "auto"})
         assert r.json()["mode"] == "auto" and r.json()["decisions"] == []

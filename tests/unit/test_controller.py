@@ -41,14 +41,16 @@ def test_step_response_to_load_jump_reaches_ceiling():
     assert limits.index(64) < 20  # the ceiling is reached in well under 40 s
 
 
-def test_decrease_on_preemption_then_probe_again():
+def test_decrease_on_a_full_kv_cache_then_probe_again():
     """A cut keeps ``decrease_factor`` of the limit; the next tick with headroom and a queue
-    probes again (no cooldown: the ablation found it earned nothing)."""
+    probes again (no cooldown: the ablation found it earned nothing). A preemption alone cuts
+    nothing (rule ``preemption_cut`` went: the KV-cache cut before it earned its gain)."""
     c = Controller(CFG, limit=40)
-    d = c.step(busy(0, 40, preemptions=3))
-    assert (d.direction, d.reason, d.new_limit) == ("down", "preemption", 30)
+    d = c.step(busy(0, 40, kv_cache_usage=0.96))
+    assert (d.direction, d.reason, d.new_limit) == ("down", "kv_cache", 30)
     d = c.step(busy(2, 30))
     assert (d.direction, d.reason) == ("up", "demand")
+    assert Controller(CFG, limit=40).overload_reason(busy(0, 40, preemptions=3)) is None
     # An overload that persists cuts on every tick, multiplicatively.
     c = Controller(CFG, limit=40)
     limits = [c.step(busy(2 * i, c.limit, kv_cache_usage=0.97)).new_limit for i in range(3)]
@@ -103,7 +105,7 @@ def test_bounds_honoured():
     assert d.new_limit == 64 and d.reason == "bound"
     low = Controller(CFG, limit=2)
     for i in range(10):
-        low.step(busy(i * 10, low.limit, preemptions=1))
+        low.step(busy(i * 10, low.limit, kv_cache_usage=0.99))
     assert low.limit == 2
     assert low.decisions[-1].reason == "bound"
 
@@ -226,7 +228,7 @@ def test_the_probe_room_is_what_the_next_decision_adds_for_a_queue():
     assert c.step(busy(0, 32)).new_limit == 40  # the probe adds just that
     assert c.probe_room(busy(2, 40, kv_cache_usage=0.85)) == 4  # up to the KV fit: 44
     assert c.probe_room(busy(2, 40, ttft_p90_s=0.8)) == 0  # no latency headroom
-    assert c.probe_room(busy(2, 40, preemptions=1)) == 0  # overload
+    assert c.probe_room(busy(2, 40, kv_cache_usage=0.99)) == 0  # overload
     c.set_start(64)
     assert c.probe_room(busy(4, 64)) == 0  # at the ceiling
     off = Controller(dataclasses.replace(CFG, ablate=frozenset({"probe_no_shed"})), limit=32)

@@ -153,9 +153,17 @@ def test_sim_a_tenant_flooding_at_4x_leaves_a_light_one_its_slo():
     good = sum(r.good(setup.slo) for r in run.requests)
     good_alone = sum(r.good(setup.slo) for r in simulate(alone, "auto", None, setup).requests)
     assert good >= 0.95 * good_alone
-    # Without the rule the light tenant is refused for the flood's engine queue.
-    _, _, ablated = _run({"flood": 4.0, "light": 0.2}, ablate=frozenset({"fair_below_share"}))
-    assert any(r.dropped for r in ablated.requests if r.request.tenant == "light")
+
+
+def test_sim_without_fair_below_share_a_light_tenant_is_refused_for_an_8x_flood():
+    """Without the rule the light tenant is refused for the engine queue the flood filled."""
+    def refused(run):
+        return sum(bool(r.dropped) for r in run.requests if r.request.tenant == "light")
+
+    with_rule = refused(_run({"flood": 8.0, "light": 0.2})[2])
+    ablated = refused(_run({"flood": 8.0, "light": 0.2},
+                           ablate=frozenset({"fair_below_share"}))[2])
+    assert ablated >= 3 * with_rule + 5, (ablated, with_rule)
 
 
 def test_sim_weights_3_to_1_split_the_completed_requests_3_to_1():

@@ -91,7 +91,8 @@ async def test_a_queued_request_is_refused_once_the_ttft_target_left_cannot_cove
     clock = FakeClock()
     lim = AdmissionLimiter(limit=1, max_queue=5, max_queue_wait_s=30, clock=clock,
                            burst_window_s=0.0)
-    assert lim.slots.queue_wait_bound_s(0.35) is None  # no first token seen yet
+    # No first token seen yet: the whole target (a TTFT is at least the queue wait).
+    assert lim.slots.queue_wait_bound_s(0.35) == pytest.approx(0.35)
     await answered(lim, clock, [0.1] * 8 + [0.25, 0.3])  # p90: the 9th of 10
     assert lim.slots.first_token_s() == pytest.approx(0.25)
     assert lim.slots.queue_wait_bound_s(0.35) == pytest.approx(0.1)
@@ -121,11 +122,41 @@ def test_the_queue_deadline_waits_out_a_burst_and_can_be_switched_off():
     clock = FakeClock()
     for ablate, bound in ((frozenset(), 0.5), (frozenset({"queue_deadline"}), None)):
         counter = SlotCounter(4, clock=clock, ablate=ablate)
+        counter.arrived()
         slot = counter.take(clock.t)  # reaches the idle counter: a burst opens
         slot.release(first_token_at=slot.admitted_at + 0.5)
         assert counter.queue_wait_bound_s(1.0) is None  # the burst's requests wait for it
         clock.t += 10  # its window (2 s) has ended
         assert counter.queue_wait_bound_s(1.0) == bound
+
+
+def test_a_burst_past_the_ceiling_waits_the_ttft_target_at_most():
+    """A burst's first max_num_seqs arrivals wait for its first wave (plain vLLM would keep
+    them); any arrival past that, sustained traffic rather than a burst, may wait the whole
+    target and no more, whatever the recent first tokens say (the burst's are not in them
+    yet), and without one seen."""
+    from serve.admission.slots import SlotCounter
+
+    clock = FakeClock()
+    # burst_no_shed off: no burst waits, the recent first tokens (0.5 s) set the bound.
+    for ablate, within, past in ((frozenset(), None, 1.0),
+                                 (frozenset({"burst_no_shed"}), 0.5, 0.5)):
+        counter = SlotCounter(2, clock=clock, ceiling=4, ablate=ablate)
+        counter.arrived()
+        slot = counter.take(clock.t)  # opens a burst
+        slot.release(first_token_at=slot.admitted_at + 0.5)
+        clock.t += 0.1
+        counter.arrived()
+        held = counter.take(clock.t)  # opens the next burst at the idle counter
+        for _ in range(3):
+            counter.arrived()  # 4 arrivals: the ceiling
+        assert counter.queue_wait_bound_s(1.0) == within
+        counter.arrived()  # the 5th is past any burst plain vLLM takes at once
+        assert counter.queue_wait_bound_s(1.0) == pytest.approx(past)
+        held.release()
+    fresh = SlotCounter(2, clock=clock, ceiling=4)
+    clock.t += 10
+    assert fresh.queue_wait_bound_s(1.5) == pytest.approx(1.5)  # no first token seen yet
 
 
 async def test_the_queue_deadline_refuses_the_tenant_over_its_share_not_the_one_within_it():

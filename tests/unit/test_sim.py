@@ -129,7 +129,7 @@ def test_preemption_makes_the_auto_limit_go_down():
     tight = replace(SETUP, engine=replace(GPU_LIKE, num_gpu_blocks=500), start_limit=64)
     run = simulate(trace, "auto", None, tight)
     reasons = {d.reason for d in run.decisions if d.direction == "down"}
-    assert reasons & {"preemption", "kv_cache"}
+    assert "kv_cache" in reasons
     assert min(limit for _, limit in run.limits) < 64
 
 
