@@ -4,11 +4,11 @@ Every rule beyond plain AIMD (cut on overload, probe on demand, clamp to the bou
 its place: ``python -m bench.ablate`` switches each one off in turn and reruns the
 simulator's trace suite over seeds, and a rule whose removal loses less than 2 % goodput on
 every trace and profile is removed from the code (docs/admission.md has the
-table, with the rules that went). ``burst_no_shed`` is the one kept for another reason: it
-is a guarantee, not a goodput rule (a burst of at most ``max_num_seqs`` at an idle server is
-never refused, as plain vLLM never refuses it; ``make bench``'s W4 target), and so is
-``fair_below_share`` (a light tenant keeps its TTFT while another floods: judged on the
-simulator's two-tenant trace, ``bench.trace.tenants_trace``). The switch is a
+table, with the rules that went). Two rules are also guarantees, which goodput does not
+show: ``burst_no_shed`` (a burst of at most ``max_num_seqs`` at an idle server is never
+refused, as plain vLLM never refuses it; ``make bench``'s W4 target) and
+``fair_below_share``, kept for that alone (a light tenant is not refused while another floods:
+judged on the simulator's two-tenant trace, ``bench.trace.tenants_trace``). The switch is a
 bench-only ``ControllerConfig.ablate`` set of these names (no setting exposes it); the
 server always runs every rule.
 
