@@ -38,7 +38,9 @@ class Burst:
         waited: one of its requests had to wait (the limit, the cap or the budget held it).
         tokens, requests: prompt tokens and requests of known size admitted so far.
         held: the budget held a request back (the rest of the burst is late).
-        arrivals: requests that arrived while it was open, the first included.
+        first_arrival: the limiter's running count of arrivals when it opened, its first
+            request included (:meth:`serve.admission.slots.SlotCounter.arrived`): those since
+            are its arrivals.
     """
 
     opened_s: float
@@ -48,7 +50,7 @@ class Burst:
     tokens: int = 0
     requests: int = 0
     held: bool = False
-    arrivals: int = 1
+    first_arrival: int = 0
 
 
 class BurstAdmission:
@@ -88,9 +90,10 @@ class BurstAdmission:
             return None
         return burst
 
-    def open(self, limit: int) -> None:
-        """A request reached an idle counter on arrival at ``limit``: a burst opens now."""
-        self._burst = Burst(self.clock(), limit)
+    def open(self, limit: int, arrivals: int) -> None:
+        """A request reached an idle counter on arrival at ``limit``, the ``arrivals``-th
+        (the limiter's running count): a burst opens now."""
+        self._burst = Burst(self.clock(), limit, first_arrival=arrivals)
 
     def admits_past(self, burst: Burst, tokens: int, in_flight: int, most: int) -> bool:
         """Whether ``burst`` admits one more request of ``tokens`` prompt tokens although the
@@ -107,13 +110,6 @@ class BurstAdmission:
             burst.held = True  # the rest of the burst is late
             return False
         return True
-
-    def arrived(self) -> None:
-        """A request arrived now (before it is admitted or queued): the open burst counts
-        it."""
-        burst = self.current()
-        if burst is not None:
-            burst.arrivals += 1
 
     def count(self, tokens: int) -> None:
         """One request of ``tokens`` prompt tokens (0: unknown) was admitted now: the open

@@ -257,7 +257,7 @@ class SlotCounter:
         known, for one measured on the burst itself."""
         now = self.clock()
         if self._in_flight == 0 and not queued:
-            self.bursts.open(self._limit)
+            self.bursts.open(self._limit, self._arrivals)
         self.bursts.count(tokens)
         self._count(+1)
         return Slot(self, now, now - arrived_at)
@@ -292,13 +292,11 @@ class SlotCounter:
         """
         if ttft_target_s is None or "queue_deadline" in self.ablate:
             return None
-        first = self.first_token_s()
         burst = self.bursts.current()
         if burst is not None and "burst_no_shed" not in self.ablate:
-            if burst.arrivals <= (self.ceiling or self._limit):
-                return None
-            first = None
-        return max(0.0, ttft_target_s - (first or 0.0))
+            arrivals = self._arrivals - burst.first_arrival + 1
+            return None if arrivals <= (self.ceiling or self._limit) else max(0.0, ttft_target_s)
+        return max(0.0, ttft_target_s - (self.first_token_s() or 0.0))
 
     def _notify(self) -> None:
         if self.on_free is not None:
@@ -380,10 +378,9 @@ class SlotCounter:
 
     def arrived(self) -> None:
         """Count a request arriving (whatever then becomes of it): the autotuner tells an
-        idle server from one that refuses everything; an open burst counts it too
+        idle server from one that refuses everything, and an open burst's arrivals
         (:meth:`queue_wait_bound_s`)."""
         self._arrivals += 1
-        self.bursts.arrived()
 
     def snapshot(self, pending: int) -> LimiterSnapshot:
         """What the autotuner reads each tick, with ``pending`` requests in the caller's
