@@ -194,6 +194,10 @@ class TraceVerdict:
         worst_unlimited, share_unlimited: the same against unlimited
             (:data:`MARGIN_UNLIMITED`).
         passed: the targets of the module docstring hold.
+        fixed_passing: the arms that, judged in auto's place on the same seeds, meet the
+            same targets: each fixed L (``"16"``) and ``"unlimited"``. Empty: no fixed limit
+            chosen in hindsight for this trace meets them, so a FAIL there asks more than
+            any fixed limit gives.
     """
 
     profile: str
@@ -205,6 +209,35 @@ class TraceVerdict:
     worst_unlimited: float
     share_unlimited: float
     passed: bool
+    fixed_passing: tuple[str, ...] = ()
+
+
+def _targets(group: Sequence[Cell]) -> tuple[tuple[float, int, int], dict[int, float], float,
+                                              float, float, bool]:
+    """The targets of the module docstring on one (profile, trace)'s cells: ``(worst_l,
+    median_l, share_l, worst_unlimited, share_unlimited, passed)`` (:class:`TraceVerdict`)."""
+    trace = group[0].trace
+    per_l = {L: [c.ratio(c.statics[L]) for c in group] for L in group[0].statics}
+    worst = min((r, L, c.seed) for L, rs in per_l.items()
+                for r, c in zip(rs, group, strict=True))
+    share_l = sum(all(c.ratio(g) >= MARGIN_L for g in c.statics.values())
+                  for c in group) / len(group)
+    unl = [c.ratio(c.unlimited) for c in group]
+    share_u = sum(r >= MARGIN_UNLIMITED for r in unl) / len(group)
+    medians = {L: statistics.median(rs) for L, rs in per_l.items()}
+    passed = share_l >= MIN_SEED_SHARE and share_u >= MIN_SEED_SHARE and (
+        trace not in OVERLOAD or all(m >= 1.0 for m in medians.values()))
+    return worst, medians, share_l, min(unl), share_u, passed
+
+
+def fixed_passing(group: Sequence[Cell]) -> tuple[str, ...]:
+    """The arms of one (profile, trace)'s cells that meet auto's targets when judged in its
+    place on the same seeds (:attr:`TraceVerdict.fixed_passing`): each fixed L, then
+    ``"unlimited"``. Costs no simulation: the arms' goodputs are in the cells."""
+    arms: list[tuple[str, list[Cell]]] = [
+        (str(L), [replace(c, auto=c.statics[L]) for c in group]) for L in group[0].statics]
+    arms.append(("unlimited", [replace(c, auto=c.unlimited) for c in group]))
+    return tuple(name for name, cells in arms if _targets(cells)[-1])
 
 
 def judge(cells: Sequence[Cell]) -> list[TraceVerdict]:
@@ -215,29 +248,17 @@ def judge(cells: Sequence[Cell]) -> list[TraceVerdict]:
         if not c.statics or c.unlimited is None:
             raise ValueError(f"cell {c.profile}/{c.trace}/seed {c.seed} has no fixed-L arms")
         groups.setdefault((c.profile, c.trace), []).append(c)
-    out = []
-    for (profile, trace), group in groups.items():
-        per_l = {L: [c.ratio(c.statics[L]) for c in group] for L in group[0].statics}
-        worst = min((r, L, c.seed) for L, rs in per_l.items()
-                    for r, c in zip(rs, group, strict=True))
-        share_l = sum(all(c.ratio(g) >= MARGIN_L for g in c.statics.values())
-                      for c in group) / len(group)
-        unl = [c.ratio(c.unlimited) for c in group]
-        share_u = sum(r >= MARGIN_UNLIMITED for r in unl) / len(group)
-        medians = {L: statistics.median(rs) for L, rs in per_l.items()}
-        passed = share_l >= MIN_SEED_SHARE and share_u >= MIN_SEED_SHARE and (
-            trace not in OVERLOAD or all(m >= 1.0 for m in medians.values()))
-        out.append(TraceVerdict(profile, trace, len(group), worst, medians, share_l, min(unl),
-                                share_u, passed))
-    return out
+    return [TraceVerdict(profile, trace, len(group), *_targets(group),
+                         fixed_passing=fixed_passing(group))
+            for (profile, trace), group in groups.items()]
 
 
 def format_verdicts(verdicts: Sequence[TraceVerdict]) -> str:
     """A table: per (profile, trace) the worst and the median-of-the-worst-L ratios, the
-    seed shares, and pass/fail."""
+    seed shares, pass/fail, and the fixed limits that would pass in auto's place."""
     lines = [f"{'profile':<9} {'trace':<5} {'seeds':>5} {'worst auto/L':>18} "
              f"{'min median auto/L':>18} {'seeds ok L':>10} {'worst auto/unl':>14} "
-             f"{'seeds ok unl':>12}  verdict"]
+             f"{'seeds ok unl':>12}  verdict  fixed L that pass"]
     for v in verdicts:
         r, lim, seed = v.worst_l
         med = min(v.median_l, key=v.median_l.get)
@@ -245,7 +266,8 @@ def format_verdicts(verdicts: Sequence[TraceVerdict]) -> str:
                      f"{f'{r:.3f} (L={lim}, s{seed})':>18} "
                      f"{f'{v.median_l[med]:.3f} (L={med})':>18} {v.share_l:>10.0%} "
                      f"{v.worst_unlimited:>14.3f} {v.share_unlimited:>12.0%}  "
-                     f"{'pass' if v.passed else 'FAIL'}")
+                     f"{'pass' if v.passed else 'FAIL':<7}  "
+                     f"{','.join(v.fixed_passing) or 'none'}")
     return "\n".join(lines)
 
 

@@ -43,6 +43,24 @@ def test_overload_traces_need_the_median_at_every_fixed_limit():
     assert line == "simjudge seeds=10 worst auto/L=0.970 auto/unlimited=1.940 result=fail"
 
 
+def test_the_verdict_names_the_fixed_limits_that_would_pass_in_autos_place():
+    # L=8 beats L=16 by 10 % on every seed but the last, where L=16 wins by 10 %: judged in
+    # auto's place, L=8 keeps 0.95 of every arm on 9 seeds of 10, L=16 on 1, unlimited
+    # (0.5) on none. Auto (0.85 everywhere) fails.
+    group = [Cell("p", "T1", seed, 0.85, 85, {8: 1.0, 16: 0.9}, 0.5) for seed in range(9)]
+    group.append(Cell("p", "T1", 9, 0.85, 85, {8: 0.9, 16: 1.0}, 0.5))
+    v, = simjudge.judge(group)
+    assert v.fixed_passing == ("8",) and not v.passed
+    assert simjudge.format_verdicts([v]).splitlines()[1].endswith("FAIL     8")
+    # ... and where both fixed limits trade seeds evenly, none passes: a FAIL there asks
+    # more than any fixed limit gives.
+    even = [Cell("p", "T1", s, 1.0, 100, {8: 1.0, 16: 0.9} if s % 2 else {8: 0.9, 16: 1.0},
+                 0.5) for s in range(10)]
+    v, = simjudge.judge(even)
+    assert v.fixed_passing == () and v.passed
+    assert simjudge.format_verdicts([v]).splitlines()[1].endswith("none")
+
+
 def test_judge_refuses_cells_without_fixed_limits():
     with pytest.raises(ValueError, match="no fixed-L arms"):
         simjudge.judge([Cell("p", "T1", 0, 1.0, 10)])
