@@ -396,6 +396,9 @@ class SimGate:
         self.on_drop = on_drop
         #: id(queued result) -> (latest admission time, whether the TTFT deadline set it).
         self._deadlines: dict[int, tuple[float, bool]] = {}
+        #: Queued requests of a burst's first wave, which got no deadline (the limiter's
+        #: ``_first_wave``).
+        self._first_wave: list[RequestResult] = []
 
     @property
     def limit(self) -> int:
@@ -412,8 +415,9 @@ class SimGate:
     def set_limit(self, limit: int) -> None:
         self.slots.set_limit(limit)
 
-    def set_burst_budget(self, tokens: int | None, cap: int | None = None) -> None:
-        self.slots.set_burst_budget(tokens, cap)
+    def set_burst_budget(self, tokens: int | None, cap: int | None = None,
+                         rate: float | None = None) -> None:
+        self.slots.set_burst_budget(tokens, cap, rate)
 
     def snapshot(self) -> LimiterSnapshot:
         return self.slots.snapshot(self.pending)
@@ -421,6 +425,8 @@ class SimGate:
     def offer(self, result: RequestResult) -> None:
         """A request arrives now: admit, queue or reject it (the middleware's ``_acquire``)."""
         self.slots.arrived()
+        if self._first_wave:
+            self._end_first_wave()
         tokens, tenant = result.request.prompt_tokens, result.request.tenant
         if not self.queue and self.slots.admits(tokens):
             self.queue.started(tenant)
@@ -439,6 +445,23 @@ class SimGate:
                                           self.max_queue_wait_s)
         self._deadlines[id(result)] = (result.arrival_s + wait, deadline)
         self.queue.push(tenant, result, self.weights.get(tenant, 1.0))
+        if self.shed_ttft_s is not None and not deadline and self.slots.first_wave() and \
+                self.queue.over_share(tenant):
+            self._first_wave.append(result)
+
+    def _end_first_wave(self) -> None:
+        """The limiter's ``_end_first_wave``: once the open burst outgrew its first wave, the
+        first wave's requests still queued get the queue deadline from their arrival."""
+        ended = self.slots.first_wave_ended()
+        if ended is False:
+            return
+        waiting, self._first_wave = self._first_wave, []
+        bound = self.slots.queue_wait_bound_s(self.shed_ttft_s) if ended else None
+        for result in waiting:
+            latest = self._deadlines.get(id(result))
+            if bound is not None and latest is not None and \
+                    result.arrival_s + bound < latest[0]:
+                self._deadlines[id(result)] = (result.arrival_s + bound, True)
 
     def _granted(self, slot: Slot, tenant: str) -> Slot:
         """``slot`` is ``tenant``'s: releasing it gives the tenant's share back."""
@@ -464,7 +487,7 @@ class SimGate:
         self.expire()
         while (head := self.queue.head()) is not None:
             tenant, result = head
-            if not self.slots.admits(result.request.prompt_tokens):
+            if not self.slots.admits(result.request.prompt_tokens, result.arrival_s):
                 break
             self.queue.pop(tenant)
             del self._deadlines[id(result)]

@@ -72,6 +72,8 @@ class BurstAdmission:
         budget: prompt tokens a burst may bring past the limit (None: no budget, admission
             by count only).
         cap: most requests in flight a burst may reach so (None: the ceiling).
+        rate: the prefill rate the budget was computed from, prompt tokens/s (None: none):
+            :meth:`deadline_tokens`.
     """
 
     def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
@@ -79,6 +81,7 @@ class BurstAdmission:
         self.clock = clock
         self.budget: int | None = None
         self.cap: int | None = None
+        self.rate: float | None = None
         self._burst: Burst | None = None
 
     def current(self) -> Burst | None:
@@ -95,18 +98,42 @@ class BurstAdmission:
         (the limiter's running count): a burst opens now."""
         self._burst = Burst(self.clock(), limit, first_arrival=arrivals)
 
-    def admits_past(self, burst: Burst, tokens: int, in_flight: int, most: int) -> bool:
+    def first_wave(self, arrivals: int, most: int) -> bool | None:
+        """Whether the open burst is in its first wave: it brought at most ``most`` (the
+        ceiling) arrivals of the limiter's running count ``arrivals`` (:attr:`Burst.
+        first_arrival`), as many as plain vLLM takes at once. None: no burst open."""
+        burst = self.current()
+        if burst is None:
+            return None
+        return arrivals - burst.first_arrival + 1 <= most
+
+    def deadline_tokens(self, burst: Burst, arrived_at: float) -> int:
+        """Prompt tokens the budget grows by for a request of ``burst`` that arrived at
+        ``arrived_at`` (clock seconds): :attr:`rate` x the seconds since the burst opened
+        (rule ``burst_deadline``). The budget is what the engine prefills within the TTFT
+        target from the burst's start; a request that arrived later meets its own target
+        later, and the engine prefills FCFS, so the tokens ahead of it may be as many as it
+        prefills by then (the feasibility test of a FCFS queue with deadlines). A burst sent
+        at once reaches the gateway spread over its intake, a second or more on a loaded
+        machine."""
+        if not self.rate:
+            return 0
+        return int(self.rate * max(0.0, arrived_at - burst.opened_s))
+
+    def admits_past(self, burst: Burst, tokens: int, in_flight: int, most: int,
+                    extra: int = 0) -> bool:
         """Whether ``burst`` admits one more request of ``tokens`` prompt tokens although the
         count would queue it: while fewer than ``most`` (the ceiling, or :attr:`cap` when
         lower) are in flight, and the burst's prompt tokens, its own included, are at most
-        :attr:`budget`. A request the budget refuses marks the burst ``held``."""
+        :attr:`budget` plus ``extra`` (:meth:`deadline_tokens`). A request the budget
+        refuses marks the burst ``held``."""
         if self.budget is None or tokens <= 0:
             return False
         if self.cap is not None:
             most = min(most, self.cap)
         if in_flight >= most:
             return False
-        if burst.tokens + tokens > self.budget:
+        if burst.tokens + tokens > self.budget + extra:
             burst.held = True  # the rest of the burst is late
             return False
         return True

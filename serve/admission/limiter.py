@@ -104,8 +104,11 @@ class AdmissionLimiter:
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
         #: Queued requests, a FIFO per tenant (and user): (future of the slot, prompt tokens,
-        #: user).
-        self.queue: FairQueue[tuple[asyncio.Future, int, str | None]] = FairQueue()
+        #: user, arrival clock time).
+        self.queue: FairQueue[tuple[asyncio.Future, int, str | None, float]] = FairQueue()
+        #: Queued requests of a burst's first wave, which got no deadline
+        #: (:meth:`SlotCounter.first_wave_ended`): (tenant, waiter, TTFT target).
+        self._first_wave: list[tuple[str, tuple, float]] = []
         self._closed = False  # draining or engine lost: queue no one
         self._closed_message = ""
 
@@ -145,9 +148,10 @@ class AdmissionLimiter:
         requests at once."""
         self.slots.set_limit(limit)
 
-    def set_burst_budget(self, tokens: int | None, cap: int | None = None) -> None:
+    def set_burst_budget(self, tokens: int | None, cap: int | None = None,
+                         rate: float | None = None) -> None:
         """:meth:`SlotCounter.set_burst_budget` (queued requests it now fits are admitted)."""
-        self.slots.set_burst_budget(tokens, cap)
+        self.slots.set_burst_budget(tokens, cap, rate)
 
     def completion_rate(self) -> float | None:
         """:meth:`SlotCounter.completion_rate`."""
@@ -205,6 +209,8 @@ class AdmissionLimiter:
         """
         start = self._clock()
         self.slots.arrived()
+        if self._first_wave:
+            self._end_first_wave()
         if self._closed:
             raise Rejected(UNAVAILABLE, 1, self._closed_message)
         if not self.pending and self.slots.admits(tokens):
@@ -226,21 +232,18 @@ class AdmissionLimiter:
         timeout, deadline = queue_wait_limit(self.slots, self.queue, tenant, ttft_target_s,
                                              self.max_queue_wait_s, user)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        waiter = (fut, tokens, user)
+        waiter = (fut, tokens, user, start)
         self.queue.push(tenant, waiter, weight, user)
+        if ttft_target_s is not None and not deadline and self.slots.first_wave() and \
+                self.queue.over_share(tenant, user):
+            self._first_wave.append((tenant, waiter, ttft_target_s))
         self._wake()  # it may be the next one already (another tenant's head is held back)
         try:
             slot = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             self._abandon(tenant, waiter)
             if deadline:
-                first = self.slots.first_token_s()
-                recently = "" if first is None else f" (recently {first:.1f}s)"
-                raise Rejected(SLO, self.retry_after_s(tenant),
-                               f"Server busy: {who}not admitted within {timeout:.1f}s, what "
-                               f"the TTFT target {ttft_target_s:.1f}s leaves before the "
-                               f"engine's first token{recently}.",
-                               queue_wait_s=self._clock() - start) from None
+                raise self._deadline_passed(tenant, timeout, ttft_target_s, start) from None
             raise Rejected(QUEUE_TIMEOUT, self.retry_after_s(tenant),
                            f"Server busy: {who}not admitted within max_queue_wait_s="
                            f"{self.max_queue_wait_s:g}s.",
@@ -256,13 +259,51 @@ class AdmissionLimiter:
         slot.queue_wait_s = slot.admitted_at - start
         return slot
 
+    def _deadline_passed(self, tenant: str, bound_s: float, ttft_target_s: float,
+                         start: float) -> Rejected:
+        """The refusal (reason ``slo``) of a request of ``tenant`` that arrived at ``start``
+        and was not admitted within ``bound_s`` (:meth:`SlotCounter.queue_wait_bound_s`)."""
+        who = "" if tenant == DEFAULT_TENANT else f"tenant '{tenant}': "
+        first = self.slots.first_token_s()
+        recently = "" if first is None else f" (recently {first:.1f}s)"
+        return Rejected(SLO, self.retry_after_s(tenant),
+                        f"Server busy: {who}not admitted within {bound_s:.1f}s, what the TTFT "
+                        f"target {ttft_target_s:.1f}s leaves before the engine's first "
+                        f"token{recently}.", queue_wait_s=self._clock() - start)
+
+    def _end_first_wave(self) -> None:
+        """An arrival came: once the open burst outgrew its first wave
+        (:meth:`SlotCounter.first_wave_ended`), the first wave's requests still queued get
+        the queue deadline from their arrival (refused when it passes); when no burst is
+        open they keep none."""
+        ended = self.slots.first_wave_ended()
+        if ended is False:
+            return
+        waiting, self._first_wave = self._first_wave, []
+        if ended is None:
+            return
+        now = self._clock()
+        for tenant, waiter, ttft_target_s in waiting:
+            bound = self.slots.queue_wait_bound_s(ttft_target_s)
+            if bound is not None and not waiter[0].done():
+                asyncio.get_running_loop().call_later(
+                    max(0.0, waiter[3] + bound - now), self._expire, tenant, waiter, bound,
+                    ttft_target_s)
+
+    def _expire(self, tenant: str, waiter: tuple, bound_s: float, ttft_target_s: float) -> None:
+        """Refuse ``waiter`` at its deadline if it is still queued (:meth:`_end_first_wave`)."""
+        fut = waiter[0]
+        if not fut.done() and self.queue.remove(tenant, waiter):
+            fut.set_exception(self._deadline_passed(tenant, bound_s, ttft_target_s, waiter[3]))
+            self._wake()  # the next in line may fit what the one refused did not
+
     def reject_waiting(self, retry_after_s: int, message: str) -> int:
         """Refuse every queued request (reason ``unavailable``, ``message``) and queue no one
         after: the server is shutting down or lost its engine. Returns how many were refused."""
         self._closed = True
         self._closed_message = message
         refused = 0
-        for fut, _, _ in self.queue.drain():
+        for fut, *_ in self.queue.drain():
             if not fut.done():
                 fut.set_exception(Rejected(UNAVAILABLE, retry_after_s, message))
                 refused += 1
@@ -273,7 +314,8 @@ class AdmissionLimiter:
         slot.on_release = lambda: self.queue.finished(tenant, user)
         return slot
 
-    def _abandon(self, tenant: str, waiter: tuple[asyncio.Future, int, str | None]) -> None:
+    def _abandon(self, tenant: str,
+                 waiter: tuple[asyncio.Future, int, str | None, float]) -> None:
         """A waiter leaves (timeout, cancel). If it had been granted a slot meanwhile, hand the
         slot back, so no slot leaks."""
         fut = waiter[0]
@@ -288,11 +330,11 @@ class AdmissionLimiter:
         below its share (:meth:`FairQueue.head`)."""
         while (head := self.queue.head()) is not None:
             tenant, waiter = head
-            fut, tokens, user = waiter
+            fut, tokens, user, arrived_at = waiter
             if fut.done():  # cancelled, not yet removed
                 self.queue.remove(tenant, waiter)
                 continue
-            if not self.slots.admits(tokens):
+            if not self.slots.admits(tokens, arrived_at):
                 break
             self.queue.pop(tenant)
             fut.set_result(self._granted(

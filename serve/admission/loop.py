@@ -98,9 +98,10 @@ class AutotuneLoop:
         first token)."""
         budget = self.controller.burst_budget(rate)
         cap = None if budget is None else self.controller.burst_cap(self.last_signals)
+        rate = None if budget is None else rate
         slots = self.limiter.slots
-        if (budget, cap) != (slots.burst_budget, slots.burst_cap):
-            self.limiter.set_burst_budget(budget, cap)
+        if (budget, cap, rate) != (slots.burst_budget, slots.burst_cap, slots.bursts.rate):
+            self.limiter.set_burst_budget(budget, cap, rate)
 
     def set_mode(self, mode: Literal["auto", "static", "off"], limit: int | None = None) -> None:
         """Benchmarks only (``--bench-admin``): switch the admission mode live and start from

@@ -23,14 +23,17 @@ RULES: dict[str, str] = {
     "slo_shed": "a request whose expected queue wait exceeds the TTFT target is refused at once",
     "queue_deadline": "a queued request of a tenant alone or over its share is refused once "
                       "less of the TTFT target is left than the recent time from admission "
-                      "to a first token (none before one is seen)",
+                      "to a first token (the whole target before one is seen)",
     "kv_fit_probe": "a probe stops at the KV fit (running x kv_high / KV usage)",
     "idle_restore": "an idle engine takes the idle limit (fits of recent traffic)",
     "kv_idle_fit": "the idle limit is what the KV cache holds at the recent mean size",
     "ttft_fit": "the idle limit is at most the prompts prefilled within the TTFT target",
     "burst_budget": "a burst at an idle engine is admitted past the limit by prompt tokens",
-    "burst_no_shed": "no SLO shedding while a burst at an idle engine is open (no queue "
-                     "deadline for its first max_num_seqs arrivals)",
+    "burst_deadline": "a burst's prefill budget grows, for a request that arrived s seconds "
+                      "after the burst opened, by what the engine prefills in s (its TTFT "
+                      "deadline is that much later)",
+    "burst_no_shed": "no SLO shedding while a burst at an idle engine is open, and no queue "
+                     "deadline for its first max_num_seqs arrivals while it brings no more",
     "engine_queue_wait": "the engine queue holds at most rate x TTFT target requests "
                          "(none before a rate is known)",
     "slow_probe": "after a latency cut (until idle) a probe adds 5 % of the limit (at least "

@@ -89,22 +89,17 @@ class SlotCounter:
         rate_window_s: seconds of completions used to estimate the completion rate.
         clock: monotonic clock in seconds (injectable for tests and the simulator).
         ceiling: the engine's ``max_num_seqs`` (None: no engine queue, see ``engine_queue``).
-        engine_queue: requests admitted past the limit while the limit *is* the ceiling. The
-            engine runs at most ``ceiling`` sequences whatever we admit, so these wait inside
-            vLLM, already tokenized and preprocessed, and a finished sequence's batch slot is
-            refilled at the next engine step (as raw vLLM's own waiting queue does) instead of
-            after a request crossed the gateway. Below the ceiling the limit is exact.
-        engine_queue_wait_s: the longest expected wait for a batch slot (seconds) of a
-            request admitted into the engine queue (the TTFT target; None: no bound). Once
-            the completion rate is known, the engine queue holds at most ``rate x
-            engine_queue_wait_s`` requests (:attr:`capacity`): the rest wait at the gateway,
-            where SLO shedding sees them, instead of inside vLLM past their TTFT target.
-        on_free: called (no arguments) whenever room may have appeared: a slot released,
-            the limit raised or the burst budget changed (the queueing half admits its next
-            waiters then).
+        engine_queue: requests admitted past the limit while the limit *is* the ceiling: they
+            wait inside vLLM, tokenized and preprocessed, and a finished sequence's batch slot
+            is refilled at the next engine step, as in raw vLLM. Below the ceiling the limit
+            is exact.
+        engine_queue_wait_s: the TTFT target, seconds (None: no bound): once the completion
+            rate is known the engine queue holds at most ``rate x`` this (:attr:`capacity`);
+            the rest wait at the gateway, where SLO shedding sees them.
+        on_free: called (no arguments) whenever room may have appeared (a slot released, the
+            limit raised, the burst budget changed): the queueing half admits then.
         burst_window_s: seconds a burst's prefill budget applies after its last request
-            admitted on arrival, and in which its requests are not shed (:meth:`admits`,
-            :meth:`slo_wait_s`; :func:`burst_window_s`).
+            admitted on arrival (:meth:`admits`, :meth:`slo_wait_s`, :func:`burst_window_s`).
 
     Raises:
         ValueError: ``limit`` < 1.
@@ -146,11 +141,10 @@ class SlotCounter:
 
     @property
     def capacity(self) -> int:
-        """Requests admitted at most now: the limit, plus at the ceiling the engine queue
-        (``engine_queue``, at most ``completion rate x engine_queue_wait_s`` of it: the
-        requests that get a batch slot within that wait; none before a rate is known, as a
-        server that has not yet finished a request cannot say how long its queue takes, and
-        a flood at boot would otherwise put twice the ceiling into the engine at once)."""
+        """Requests admitted at most now: the limit, plus at the ceiling the engine queue, at
+        most ``completion rate x engine_queue_wait_s`` of it (those that get a batch slot
+        within that wait; none before a rate is known: a flood at boot would otherwise put
+        twice the ceiling into the engine at once)."""
         if self.ceiling is None or self._limit < self.ceiling or not self.engine_queue:
             return self._limit
         queue = self.engine_queue
@@ -176,29 +170,30 @@ class SlotCounter:
         capacity at the ceiling)."""
         return self._in_flight < self.capacity
 
-    def admits(self, tokens: int = 0) -> bool:
+    def admits(self, tokens: int = 0, arrived_at: float | None = None) -> bool:
         """Whether the next request in FIFO order, of ``tokens`` prompt tokens (image
-        tokens included; 0: unknown), may be admitted now.
+        tokens included; 0: unknown: by count only), which arrived at ``arrived_at`` (clock
+        seconds; None: now), may be admitted now.
 
         By count (:meth:`has_room`), and during a **burst** that reached an idle counter
-        also past the limit, by its prompt tokens (:mod:`serve.admission.burst`): a request
-        the limit would queue is admitted when the burst's prompt tokens, its own included,
-        are at most :attr:`burst_budget`, with at most :attr:`burst_cap` in flight (the
-        ceiling at most). A request of unknown size (0) is admitted by count only. The budget
-        only ever adds to the limit the burst arrived at: what that limit admits at once is
-        never held back (an idle engine takes a burst up to its capacity at once, as plain
-        vLLM does). Once the budget held a request back, a raise of the limit during the
-        window admits nothing more of the burst: the rest of it can no longer meet its TTFT
-        target, and admitted behind the burst's prefill it would stall every stream the
-        burst started.
+        also past the limit, by its prompt tokens (:mod:`serve.admission.burst`): when the
+        burst's prompt tokens, its own included, are at most :attr:`burst_budget` (grown by
+        :meth:`BurstAdmission.deadline_tokens` for its arrival), with at most
+        :attr:`burst_cap` in flight (the ceiling at most). The budget only ever adds to the
+        limit the burst arrived at (an idle engine takes a burst up to its capacity at once,
+        as plain vLLM does). Once the budget held a request back, a raise of the limit
+        during the window admits nothing more of the burst: the rest of it can no longer
+        meet its TTFT target, and behind the burst's prefill it would stall every stream.
         """
         burst = self.bursts.current()
         if burst is None or tokens <= 0 or self.bursts.budget is None:
             return self.has_room()
         if self.has_room() and (not burst.held or self._in_flight < burst.limit):
             return True  # by count (once the budget held one back: the limit it arrived at)
+        extra = 0 if "burst_deadline" in self.ablate else self.bursts.deadline_tokens(
+            burst, self.clock() if arrived_at is None else arrived_at)
         if self.bursts.admits_past(burst, tokens, self._in_flight,
-                                   self.ceiling or self._limit):
+                                   self.ceiling or self._limit, extra):
             return True
         # The caller queues the request: the burst is full, its window no longer runs on
         # (a state change: ask only for the request at the head of the queue).
@@ -220,13 +215,15 @@ class SlotCounter:
         """The open burst's prompt tokens and requests admitted so far (None: none open)."""
         return self.bursts.admitted
 
-    def set_burst_budget(self, tokens: int | None, cap: int | None = None) -> None:
+    def set_burst_budget(self, tokens: int | None, cap: int | None = None,
+                         rate: float | None = None) -> None:
         """Set the prompt tokens a burst may bring to an idle engine past the limit
-        (:meth:`admits`; None: none, admission by count only), and the most requests it may
-        put in flight so (None: the ceiling). A budget that changes during a burst (the
-        rate measured on the burst itself) applies to its requests still queued."""
+        (:meth:`admits`; None: none, by count only), the most requests it may put in flight
+        so (None: the ceiling) and the prefill rate the budget came from (tokens/s, None:
+        none). A budget changed during a burst applies to its requests still queued."""
         self.bursts.budget = tokens
         self.bursts.cap = cap
+        self.bursts.rate = rate if tokens is not None else None
         self._notify()
 
     def set_probe_room(self, requests: int) -> None:
@@ -251,10 +248,9 @@ class SlotCounter:
         """Admit one request of ``tokens`` prompt tokens that arrived at ``arrived_at``
         (clock seconds); the caller checked :meth:`admits` (or the limit was lowered
         meanwhile: the slot is counted anyway). ``queued``: it waited in the caller's queue.
-        A request that reaches an idle counter on arrival (not ``queued``) opens a burst; a
-        queued one that takes the slot the last release freed does not (a new burst there
-        would stop SLO shedding). A burst's requests are counted even before a budget is
-        known, for one measured on the burst itself."""
+        One that reaches an idle counter on arrival (not ``queued``) opens a burst; a queued
+        one taking the slot the last release freed does not (that would stop SLO shedding).
+        A burst's requests are counted even before a budget is known."""
         now = self.clock()
         if self._in_flight == 0 and not queued:
             self.bursts.open(self._limit, self._arrivals)
@@ -283,20 +279,32 @@ class SlotCounter:
     def queue_wait_bound_s(self, ttft_target_s: float | None) -> float | None:
         """The longest a request queued now may wait for a slot and still meet
         ``ttft_target_s`` (rule ``queue_deadline``): the target less :meth:`first_token_s`,
-        at least 0; the whole target (a TTFT is at least the queue wait) before a first token
-        was seen, and in a burst at an idle counter past the ceiling (the limit where none is
-        set; its first wave is not in the recent first tokens yet). None (no bound but the
-        caller's ``max_queue_wait_s``): no target, the rule ablated, or an open burst of at
-        most the ceiling so far, whose requests wait for its first wave as plain vLLM's
-        waiting queue keeps them (``burst_no_shed``, as in :meth:`slo_wait_s`).
+        at least 0 (the whole target before a first token was seen: a TTFT is at least the
+        queue wait). None (no bound but the caller's ``max_queue_wait_s``): no target, the
+        rule ablated, or a burst's first wave (:meth:`first_wave`), whose requests wait for
+        it as plain vLLM's waiting queue keeps them, until the burst outgrows it
+        (:meth:`first_wave_ended`).
         """
-        if ttft_target_s is None or "queue_deadline" in self.ablate:
+        if ttft_target_s is None or "queue_deadline" in self.ablate or self.first_wave():
             return None
-        burst = self.bursts.current()
-        if burst is not None and "burst_no_shed" not in self.ablate:
-            arrivals = self._arrivals - burst.first_arrival + 1
-            return None if arrivals <= (self.ceiling or self._limit) else max(0.0, ttft_target_s)
         return max(0.0, ttft_target_s - (self.first_token_s() or 0.0))
+
+    def first_wave(self) -> bool:
+        """Rule ``burst_no_shed``: a burst at an idle counter is in its first wave
+        (:meth:`BurstAdmission.first_wave` at the ceiling, the limit where none is set), which
+        plain vLLM would take at once: no queue deadline for it (:meth:`queue_wait_bound_s`)."""
+        return "burst_no_shed" not in self.ablate and bool(
+            self.bursts.first_wave(self._arrivals, self.ceiling or self._limit))
+
+    def first_wave_ended(self) -> bool | None:
+        """True once the open burst outgrew its first wave (:meth:`first_wave`): its requests
+        still queued then get :meth:`queue_wait_bound_s` from their arrival (requests past
+        their target at the queue's head would hold the later ones past theirs); False while
+        it goes on; None when no burst is open (one that never outgrew it keeps its promise:
+        its requests get no deadline)."""
+        if self.bursts.current() is None:
+            return None
+        return not self.first_wave()
 
     def _notify(self) -> None:
         if self.on_free is not None:
@@ -325,12 +333,9 @@ class SlotCounter:
 
     def completion_rate(self) -> float | None:
         """The service rate: requests completed per second *of busy time* (at least one
-        request in flight), over the completions of the last ``rate_window_s`` seconds.
-
-        Idle time is left out, so a server that just woke up from idle does not look slow
-        (the rate of a busy server is what a queued request will see). Estimate: ``(n - 1)``
-        completions over the busy seconds between the first and the last of the ``n``.
-        None with fewer than two completions in the window.
+        request in flight; a server just woken from idle does not look slow), over the
+        completions of the last ``rate_window_s`` seconds: ``(n - 1)`` completions over the
+        busy seconds between the first and the last of the ``n``. None with fewer than two.
         """
         now = self.clock()
         while self._completions and self._completions[0][0] < now - self.rate_window_s:
@@ -361,12 +366,10 @@ class SlotCounter:
         request is to be shed (reason ``slo``: it could not meet its TTFT target anyway);
         None: queue it.
 
-        Never while a **burst** that reached an idle counter is open (:meth:`admits`;
-        at most :attr:`burst_window_s` after one of it had to wait): the
-        requests of a burst the limit or its prefill budget holds back wait for its first
-        wave, as plain vLLM's waiting queue would keep them, instead of being refused by a
-        drain rate measured on other traffic while the engine is busy with the burst itself.
-        Sustained traffic, which keeps the counter busy, is shed as before. Nor are the first
+        Never while a **burst** that reached an idle counter is open (:meth:`admits`): its
+        requests wait for its first wave as plain vLLM's waiting queue would keep them, not
+        refused by a drain rate measured on other traffic (the queue deadline still bounds
+        them once it outgrew that wave: :meth:`first_wave_ended`). Nor are the first
         :attr:`probe_room` places of the queue, which the next probe admits.
         """
         if ttft_target_s is None or "slo_shed" in self.ablate or \

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from serve.admission.limiter import QUEUE_FULL, QUEUE_TIMEOUT, SLO, AdmissionLimiter, Rejected
+from serve.admission.slots import SlotCounter
 
 
 class FakeClock:
@@ -117,8 +118,6 @@ async def test_a_queued_request_is_refused_once_the_ttft_target_left_cannot_cove
 
 
 def test_the_queue_deadline_waits_out_a_burst_and_can_be_switched_off():
-    from serve.admission.slots import SlotCounter
-
     clock = FakeClock()
     for ablate, bound in ((frozenset(), 0.5), (frozenset({"queue_deadline"}), None)):
         counter = SlotCounter(4, clock=clock, ablate=ablate)
@@ -130,17 +129,13 @@ def test_the_queue_deadline_waits_out_a_burst_and_can_be_switched_off():
         assert counter.queue_wait_bound_s(1.0) == bound
 
 
-def test_a_burst_past_the_ceiling_waits_the_ttft_target_at_most():
+def test_a_burst_past_the_ceiling_gets_the_queue_deadline():
     """A burst's first max_num_seqs arrivals wait for its first wave (plain vLLM would keep
-    them); any arrival past that, sustained traffic rather than a burst, may wait the whole
-    target and no more, whatever the recent first tokens say (the burst's are not in them
-    yet), and without one seen."""
-    from serve.admission.slots import SlotCounter
-
+    them); once it brings more, the bound is the queue deadline again: what the target
+    leaves past the recent first tokens, the whole target without one seen."""
     clock = FakeClock()
     # burst_no_shed off: no burst waits, the recent first tokens (0.5 s) set the bound.
-    for ablate, within, past in ((frozenset(), None, 1.0),
-                                 (frozenset({"burst_no_shed"}), 0.5, 0.5)):
+    for ablate, within in ((frozenset(), None), (frozenset({"burst_no_shed"}), 0.5)):
         counter = SlotCounter(2, clock=clock, ceiling=4, ablate=ablate)
         counter.arrived()
         slot = counter.take(clock.t)  # opens a burst
@@ -151,12 +146,39 @@ def test_a_burst_past_the_ceiling_waits_the_ttft_target_at_most():
         for _ in range(3):
             counter.arrived()  # 4 arrivals: the ceiling
         assert counter.queue_wait_bound_s(1.0) == within
+        assert counter.first_wave_ended() is (False if not ablate else True)
         counter.arrived()  # the 5th is past any burst plain vLLM takes at once
-        assert counter.queue_wait_bound_s(1.0) == pytest.approx(past)
+        assert counter.queue_wait_bound_s(1.0) == pytest.approx(0.5)
+        assert counter.first_wave_ended() is True
         held.release()
     fresh = SlotCounter(2, clock=clock, ceiling=4)
     clock.t += 10
+    assert fresh.first_wave_ended() is None  # no burst open
     assert fresh.queue_wait_bound_s(1.5) == pytest.approx(1.5)  # no first token seen yet
+
+
+async def test_a_first_wave_waits_until_its_burst_outgrows_the_ceiling():
+    """The first wave's queued requests get no deadline while the burst stays within the
+    ceiling; the arrival that takes it past gives them the queue deadline from their own
+    arrival (a queue of requests that can no longer meet their target would hold the
+    burst's later ones past theirs), and one already past it is refused (reason slo)."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=1, max_queue=100, max_queue_wait_s=60, clock=clock,
+                           ceiling=3, burst_window_s=5.0)
+    first = await lim.acquire(ttft_target_s=0.05)  # opens a burst
+    second = asyncio.create_task(lim.acquire(ttft_target_s=0.05))  # arrivals 2, 3: its
+    third = asyncio.create_task(lim.acquire(ttft_target_s=0.05))   # first wave, queued
+    await asyncio.sleep(0.15)  # three times the target: no deadline
+    assert not second.done() and not third.done() and lim.pending == 2
+    clock.t += 0.02  # the 4th arrival: past the ceiling
+    fourth = asyncio.create_task(lim.acquire(ttft_target_s=0.05))
+    for task in (second, third, fourth):
+        with pytest.raises(Rejected) as exc:
+            await asyncio.wait_for(task, 1)
+        assert exc.value.reason == SLO
+    assert lim.pending == 0 and lim.in_flight == 1
+    first.release()
+    assert lim.in_flight == 0
 
 
 async def test_the_queue_deadline_refuses_the_tenant_over_its_share_not_the_one_within_it():
@@ -400,6 +422,38 @@ async def test_a_burst_goes_past_the_limit_while_its_prompts_fit_the_budget():
     fourth.result().release()
     last.release()
     assert lim.in_flight == 0
+
+
+async def test_a_later_arrival_in_a_burst_may_bring_what_the_engine_prefills_meanwhile():
+    """Rule ``burst_deadline``: a request that arrives s seconds after its burst opened meets
+    its TTFT target s seconds later, so the budget grows by the prefill rate x s for it. A
+    queued request is judged by its arrival, not by when a release wakes it; with the rule
+    switched off the budget stays flat."""
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=1, max_queue=100, max_queue_wait_s=60, clock=clock,
+                           ceiling=8, burst_window_s=2.0)
+    lim.set_burst_budget(600, rate=300.0)  # 600 tokens = 300 tokens/s x a 2 s target
+    first = await lim.acquire(tokens=300)
+    second = await asyncio.wait_for(lim.acquire(tokens=300), 1)  # 600: the budget
+    assert not lim.slots.admits(200)  # at once: 800 > 600
+    clock.t += 0.5
+    assert lim.slots.admits(150)  # 750 <= 600 + 300 x 0.5
+    assert not lim.slots.admits(151)
+    third = await asyncio.wait_for(lim.acquire(tokens=150), 1)
+    held = asyncio.create_task(lim.acquire(tokens=200))  # at 0.5 s: 950 > 750, held
+    await asyncio.sleep(0)
+    clock.t += 1.0  # a wake at 1.5 s judges it by its arrival at 0.5 s: still held
+    lim.set_burst_budget(600, rate=300.0 + 1e-9)
+    await asyncio.sleep(0)
+    assert not held.done() and lim.in_flight == 3
+    held.cancel()
+    for s in (first, second, third):
+        s.release()
+    flat = SlotCounter(1, clock=clock, ceiling=8, ablate=frozenset({"burst_deadline"}))
+    flat.set_burst_budget(600, rate=300.0)
+    flat.take(clock(), 600)
+    clock.t += 1.0
+    assert not flat.admits(150)  # the rule off: no growth
 
 
 async def test_a_raise_during_a_held_back_burst_admits_nothing_late():

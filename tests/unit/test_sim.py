@@ -54,13 +54,16 @@ class CheckedSimulation(Simulation):
 
     def _admit(self, result, slot):
         # admitted only into a free slot (the limit, plus the engine queue at the ceiling), or
-        # past it within a burst's prefill budget, up to its cap and the ceiling
+        # past it within a burst's prefill budget (grown for the request's arrival in the
+        # burst: rule burst_deadline), up to its cap and the ceiling
         slots = self.gate.slots
         burst = slots.burst_admitted
+        open_burst = slots.bursts.current()
         assert self.gate.in_flight <= slots.capacity or (
             burst is not None and slots.burst_budget is not None
             and self.gate.in_flight <= min(slots.ceiling, slots.burst_cap or slots.ceiling)
-            and burst[0] <= slots.burst_budget)
+            and burst[0] <= slots.burst_budget + slots.bursts.deadline_tokens(
+                open_burst, result.arrival_s))
         self.peak_in_flight = max(self.peak_in_flight, self.gate.in_flight)
         super()._admit(result, slot)
 
