@@ -75,6 +75,11 @@ def queue_wait_limit(slots: SlotCounter, queue: FairQueue, tenant: str,
     return max_queue_wait_s, False
 
 
+def _who(tenant: str) -> str:
+    """The refusal message's prefix naming ``tenant`` (none for the default tenant)."""
+    return "" if tenant == DEFAULT_TENANT else f"tenant '{tenant}': "
+
+
 class AdmissionLimiter:
     """Admission gate with a live limit: the queueing half (asyncio futures, a bounded queue
     per tenant with a wait deadline, SLO shedding, weighted fair sharing between tenants:
@@ -216,7 +221,7 @@ class AdmissionLimiter:
         if not self.pending and self.slots.admits(tokens):
             self.queue.started(tenant, user)
             return self._granted(self.slots.take(start, tokens), tenant, user)
-        who = "" if tenant == DEFAULT_TENANT else f"tenant '{tenant}': "
+        who = _who(tenant)
         # A trusted front end's user: the bound is the user's (one user's flood must not
         # fill it for the others), and so is the position the SLO is judged on.
         if (queued := self.queue.queued(tenant, user)) >= self.max_queue:
@@ -263,7 +268,7 @@ class AdmissionLimiter:
                          start: float) -> Rejected:
         """The refusal (reason ``slo``) of a request of ``tenant`` that arrived at ``start``
         and was not admitted within ``bound_s`` (:meth:`SlotCounter.queue_wait_bound_s`)."""
-        who = "" if tenant == DEFAULT_TENANT else f"tenant '{tenant}': "
+        who = _who(tenant)
         first = self.slots.first_token_s()
         recently = "" if first is None else f" (recently {first:.1f}s)"
         return Rejected(SLO, self.retry_after_s(tenant),
@@ -283,8 +288,11 @@ class AdmissionLimiter:
         if ended is None:
             return
         now = self._clock()
+        bounds: dict[float, float | None] = {}  # one p90 of the first tokens per target
         for tenant, waiter, ttft_target_s in waiting:
-            bound = self.slots.queue_wait_bound_s(ttft_target_s)
+            if ttft_target_s not in bounds:
+                bounds[ttft_target_s] = self.slots.queue_wait_bound_s(ttft_target_s)
+            bound = bounds[ttft_target_s]
             if bound is not None and not waiter[0].done():
                 asyncio.get_running_loop().call_later(
                     max(0.0, waiter[3] + bound - now), self._expire, tenant, waiter, bound,
