@@ -8,6 +8,7 @@ through :func:`start_process`; the tests' ``Server`` adds its ``/metrics`` helpe
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -54,11 +55,45 @@ def same_code(a: str, b: str, root: Path = ROOT) -> bool:
     return diff.returncode == 0
 
 
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Where :func:`free_port` draws from when the kernel does not say its ephemeral range.
+EPHEMERAL_RANGE = (32768, 60999)
+#: The lowest port :func:`free_port` hands out (above the registered services most machines run).
+LOWEST_PORT = 10000
+
+
+def ephemeral_range(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")
+                    ) -> tuple[int, int]:
+    """The kernel's ephemeral port range ``(low, high)``, inclusive: where it picks the local
+    port of every outgoing connection and of every ``bind(port 0)``."""
+    try:
+        low, high = map(int, path.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return EPHEMERAL_RANGE
+
+
+def free_port(rng: random.Random | None = None) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on, drawn at random below the kernel's
+    ephemeral range.
+
+    A port that ``bind(0)`` returns lies inside that range, so between the draw and the
+    server's own bind any outgoing connection, or an engine's ``bind(0)`` for its own sockets,
+    can take it (``Address already in use``). Below the range only an explicit bind can.
+
+    Raises:
+        OSError: no free port found in 200 draws.
+    """
+    rng = rng or random.Random()
+    low = ephemeral_range()[0]
+    for _ in range(200):
+        port = rng.randrange(LOWEST_PORT, low) if low > LOWEST_PORT else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port below the ephemeral range")
 
 
 def ensure_tiny_model(model: Path = TINY_MODEL) -> Path:
