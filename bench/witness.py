@@ -11,9 +11,10 @@ logged and checked against the fixed-limit arms (:func:`calibration`). The CPU s
 (:func:`bench.trace.cpu_suite`) is cut into short independent **episodes** (:func:`episodes`):
 each of T2's bursts, each of T5's phases, 10-s windows of T6 (chat at 2x capacity) and of T1
 (60 %). Before each arm of an episode the switch (``POST /admin/bench/admission``) sets the
-arm's admission mode and resets the autotuner to its boot state, and the engine is drained
-(nothing in flight or queued). Arms: ``auto``, ``L8`` and ``L16`` (fixed limits), ``off`` (no
-gateway limit: what plain vLLM admits) and ``aa`` (L16 again: the A/A control). Every arm
+arm's admission mode and resets the autotuner and the limiter's drain rate to their boot
+state, and the engine is drained (nothing in flight or queued). Arms: ``auto``, ``L8`` and
+``L16`` (fixed limits), ``off`` (no gateway limit: what plain vLLM admits) and ``aa`` (L16
+again: the A/A control). Every arm
 replays the same seeded arrivals, shapes, words and photo crops (common random numbers); a salt
 word at the start of each text and a salt pixel in each crop make each arm's content its own,
 so no arm hits another's prefix or image cache while every arm does the same decode and prefill

@@ -320,7 +320,7 @@ class Gateway:
 
     async def bench_admission(self, request: Request) -> Response:
         """``--bench-admin`` only: ``{"mode": "auto" | "static" | "off", "limit": L}`` sets
-        the admission mode live and resets the autotuner to its boot state
+        the admission mode live and resets the autotuner and the drain rate to their boot state
         (:meth:`serve.admission.loop.AutotuneLoop.set_mode`); answers the new
         ``/admin/autotuner`` state, or 400 naming the field."""
         try:

@@ -107,11 +107,13 @@ class AutotuneLoop:
         """Benchmarks only (``--bench-admin``): switch the admission mode live and start from
         the boot state, so that each arm of an episode meets the same server.
 
-        The controller goes back to its start (:meth:`Controller.reset`), the feed forgets
-        what the traffic taught (:meth:`EngineStatsFeed.forget`), the burst budget is
-        dropped. ``auto``: the autotuner moves the limit from its start; ``static``: the
-        limit is ``limit``; ``off``: :data:`OFF_LIMIT` (no gateway limit). Requests in flight
-        keep their slots.
+        The controller goes back to its start (:meth:`Controller.reset`), the feed and the
+        limiter forget what the traffic taught (:meth:`EngineStatsFeed.forget`,
+        :meth:`~serve.admission.slots.SlotCounter.forget`: an arm would otherwise shed a
+        burst by the drain rate the arm before it measured), the burst budget is dropped.
+        ``auto``: the autotuner moves the limit from its start; ``static``: the limit is
+        ``limit``; ``off``: :data:`OFF_LIMIT` (no gateway limit). Requests in flight keep
+        their slots.
 
         Raises:
             ValueError: an unknown mode, or ``static`` without a limit >= 1.
@@ -122,6 +124,7 @@ class AutotuneLoop:
             raise ValueError("mode static needs a limit >= 1")
         self.controller.reset()
         self.feed.forget()
+        self.limiter.slots.forget()
         self.limiter.set_burst_budget(None, None)
         self.limiter.slots.set_probe_room(0)
         self.last_signals = None

@@ -43,13 +43,10 @@ class Slot:
         return self._released
 
     def release(self, completed: bool = True, first_token_at: float | None = None) -> bool:
-        """Give the slot back. ``completed`` feeds the completion-rate estimate;
-        ``first_token_at`` (clock seconds, None: no first token seen) the time from admission
-        to a first token (:meth:`SlotCounter.first_token_s`).
-
-        Returns:
-            True the first time, False on any later call (idempotent).
-        """
+        """Give the slot back; True the first time, False on any later call (idempotent).
+        ``completed`` feeds the completion-rate estimate; ``first_token_at`` (clock seconds,
+        None: no first token seen) the time from admission to a first token
+        (:meth:`SlotCounter.first_token_s`)."""
         if self._released:
             return False
         self._released = True
@@ -269,6 +266,12 @@ class SlotCounter:
             self._first_tokens.append(first_token_s)
         self._notify()
 
+    def forget(self) -> None:
+        """Drop what the traffic taught (the completion-rate window, the first-token samples):
+        a freshly booted server's drain rate is unknown (the benchmark's reset)."""
+        self._completions.clear()
+        self._first_tokens.clear()
+
     def first_token_s(self) -> float | None:
         """Seconds from admission to first token, the 90th percentile over the last
         :data:`FIRST_TOKEN_SAMPLES` answers that had one (None: none yet): a request let in
@@ -386,8 +389,7 @@ class SlotCounter:
         self._arrivals += 1
 
     def snapshot(self, pending: int) -> LimiterSnapshot:
-        """What the autotuner reads each tick, with ``pending`` requests in the caller's
-        queue."""
+        """What the autotuner reads each tick, with ``pending`` requests in the caller's queue."""
         return LimiterSnapshot(self._limit, self._in_flight, pending, self.completion_rate(),
                                self._arrivals)
 
@@ -395,6 +397,4 @@ class SlotCounter:
         """Suggested ``Retry-After`` in whole seconds (1..60) behind ``pending`` queued
         requests, from the drain rate."""
         wait = self.expected_wait_s(pending)
-        if wait is None:
-            return 1
-        return int(min(60, max(1, math.ceil(wait))))
+        return 1 if wait is None else int(min(60, max(1, math.ceil(wait))))

@@ -226,6 +226,55 @@ async def test_slo_shedding_uses_completion_rate():
     assert lim.in_flight == 0
 
 
+async def test_the_benchmark_switch_forgets_the_drain_rate_the_arm_before_measured():
+    """``AutotuneLoop.set_mode`` starts each arm of the witness from a booted server's state:
+    the limiter forgets its completion-rate window and first-token samples, so a burst of
+    the next arm queues (as in the simulator, which replays each arm from boot) instead of
+    being shed by the rate the previous arm's traffic showed."""
+    from serve.admission.controller import Controller, ControllerConfig
+    from serve.admission.engine_stats import EngineStatsFeed
+    from serve.admission.loop import AutotuneLoop
+    from serve.settings import Settings
+
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=1, max_queue=100, max_queue_wait_s=60, clock=clock)
+    loop = AutotuneLoop(Controller(ControllerConfig.from_settings(Settings(device="cuda")), 1),
+                        lim, EngineStatsFeed(clock=clock), mode="static", interval_s=1.0,
+                        clock=clock)
+
+    async def burst() -> tuple[object, list[asyncio.Task]]:
+        held = await lim.acquire()
+        clock.t += 2.5  # past the window of the burst it opened
+        queued = [asyncio.create_task(lim.acquire()) for _ in range(3)]
+        await asyncio.sleep(0)
+        return held, queued
+
+    async def drain(held, queued) -> None:
+        held.release()
+        for t in queued:
+            (await t).release()
+
+    for first in (0.5, 0.5, 0.5, 0.5):  # the last arm's traffic: 1 request/s
+        slot = await lim.acquire()
+        clock.t += 1.0
+        slot.release(first_token_at=slot.admitted_at + first)
+    assert lim.completion_rate() == pytest.approx(1.0, rel=0.01)
+    held, queued = await burst()
+    with pytest.raises(Rejected) as exc:  # 4th in line: (3 + 1) / 1 s > 2 s
+        await lim.acquire(ttft_target_s=2.0)
+    assert exc.value.reason == SLO
+    await drain(held, queued)
+
+    loop.set_mode("static", 1)
+    assert lim.completion_rate() is None and lim.slots.first_token_s() is None
+    held, queued = await burst()
+    fourth = asyncio.create_task(lim.acquire(ttft_target_s=2.0))
+    await asyncio.sleep(0)
+    assert not fourth.done() and lim.pending == 4  # queued, not shed
+    await drain(held, [*queued, fourth])
+    assert lim.in_flight == 0
+
+
 async def test_cancel_while_queued_frees_place():
     lim = AdmissionLimiter(limit=1, max_queue=5, max_queue_wait_s=5)
     held = await lim.acquire()
