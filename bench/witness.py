@@ -135,8 +135,11 @@ def interval(values: Sequence[float], level: float = 0.90) -> tuple[float, float
     return math.exp(mean), math.exp(lo), math.exp(hi)
 
 
-def judge(good: Mapping[str, Mapping[str, int]]) -> tuple[dict[str, tuple], str]:
-    """The intervals of the last line and the result (module docstring)."""
+def judge(good: Mapping[str, Mapping[str, int]], min_vs_fixed: float = MIN_VS_FIXED
+          ) -> tuple[dict[str, tuple], str]:
+    """The intervals of the last line and the result (module docstring); ``min_vs_fixed``:
+    the lower bound auto's interval against each fixed limit must reach (0.90 pooled over
+    runs, :mod:`bench.witness_ledger`)."""
     over = [e for e in good if e.startswith(OVERLOAD_PREFIXES)]
     steady = [e for e in good if e.startswith(STEADY_PREFIXES)]
     iv = {
@@ -146,7 +149,7 @@ def judge(good: Mapping[str, Mapping[str, int]]) -> tuple[dict[str, tuple], str]
         "auto/off_overload": interval(log_ratios(good, "auto", "off", over)),
         "auto/off_steady": interval(log_ratios(good, "auto", "off", steady)),
     }
-    margins = {"auto/L8": MIN_VS_FIXED, "auto/L16": MIN_VS_FIXED,
+    margins = {"auto/L8": min_vs_fixed, "auto/L16": min_vs_fixed,
                "auto/off_overload": MIN_VS_OFF_OVERLOAD, "auto/off_steady": MIN_VS_OFF_STEADY}
     aa = iv["aa"]
     if not (aa[1] >= AA_BAND[0] and aa[2] <= AA_BAND[1]):
@@ -417,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``cpu-profile.json``) to ``--out``; 0 unless no episode ran."""
     import httpx
 
+    from bench import witness_ledger
     from bench.autotune import CPU_AUTO_ARGS, CPU_SLO
     from bench.process import ensure_tiny_model, git_state, start_serve, stop_process
 
@@ -435,6 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-plain", action="store_true", help="skip the sanity arm (plain "
                    "vLLM on " + ", ".join(PLAIN_EPISODES) + ")")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
+    p.add_argument("--ledger", type=Path, default=witness_ledger.LEDGER,
+                   help="where a full run (every episode and arm, its own server) is appended "
+                   "and pooled with the runs of the same code")
     args = p.parse_args(argv)
     if args.source is not None:
         done = json.loads(args.source.read_text())
@@ -496,20 +503,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "witness.json").write_text(json.dumps(
         {"seed": args.seed, "good": good, "ttfts": ttfts, "calibration": calib,
          "plain": plain, "kinds": kinds, "plain_kinds": plain_kinds}, indent=1))
-    report(good, calib, args.sim, plain, kinds, plain_kinds)
+    if args.url is None and not args.episodes and set(arms) == ARMS.keys():
+        witness_ledger.append(args.ledger, good, args.seed, commit, dirty)
+    report(good, calib, args.sim, plain, kinds, plain_kinds, pooled(args.ledger))
     return 0 if good else 2
+
+
+def pooled(ledger: Path) -> str:
+    """:func:`bench.witness_ledger.pooled_line` over the ledger's runs of the code here."""
+    from bench import witness_ledger
+    from bench.process import git_state
+
+    return witness_ledger.pooled_line(
+        witness_ledger.runs_of(witness_ledger.read(ledger), git_state()[0]))
 
 
 def report(good: Mapping[str, Mapping[str, int]], calib: Mapping, sim: Path | None,
            plain: Mapping[str, int] | None = None, kinds: Mapping | None = None,
-           plain_kinds: Mapping | None = None) -> None:
+           plain_kinds: Mapping | None = None, pooled_line: str | None = None) -> None:
     """Print the sanity arm (``plain``, ``plain_kinds``: :func:`run_plain`'s, None when not
-    run; ``kinds``: :func:`run`'s), the calibration check, the witness's line and, with
-    ``sim`` (bench.simjudge's JSON), the combined line last."""
+    run; ``kinds``: :func:`run`'s), the calibration check, the witness's line, the witness
+    pooled over the ledger's runs (``pooled_line``) and, with ``sim`` (bench.simjudge's
+    JSON), the combined line last."""
     print(sanity_line(good, plain or {}, kinds, plain_kinds))
     print(f"cpu profile: {calib['source']}")
     print(calib["table"])
     print(verdict_line(good))
+    if pooled_line is not None:
+        print(pooled_line)
     if sim is not None:
         print(combined_line(json.loads(sim.read_text()), good, calib["ok"]))
 

@@ -1,0 +1,74 @@
+"""The witness's ledger: the good requests of each ``make bench-autotune`` run, per episode and
+arm, appended to ``bench/results/witness-ledger.jsonl`` (committed history like ``make
+bench``'s ledger), and the witness pooled over every run of the same code.
+
+Issue 32 asks auto against each fixed limit for a lower 90 % bound >= 0.85 on one run and
+>= 0.90 pooled over three runs. Pooled, each episode of each run is one pair of the same
+paired bootstrap as one run's (:func:`bench.witness.judge`): the runs' days differ, and the
+pairs' spread carries that. Runs pool when their commits hold the same tracked files outside
+the results (:func:`bench.process.same_code`); a dirty checkout's run is recorded and never
+pooled.
+
+Standard library only (with the bench package).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from bench.process import RESULTS, ROOT, same_code
+from bench.witness import judge
+
+#: Where ``make bench-autotune`` appends its runs.
+LEDGER = ROOT / RESULTS / "witness-ledger.jsonl"
+#: Runs the pooled target needs (issue 32).
+POOLED_RUNS = 3
+#: The pooled lower bound of auto against each fixed limit (issue 32).
+MIN_VS_FIXED_POOLED = 0.90
+
+
+def append(path: Path, good: Mapping[str, Mapping[str, int]], seed: int, commit: str,
+           dirty: bool) -> dict:
+    """Append one run (``good``: ``{episode: {arm: good requests}}``) and return its record."""
+    record = {"schema": 1, "commit": commit, "dirty": dirty,
+              "date": time.strftime("%Y-%m-%d", time.gmtime()), "seed": seed, "good": good}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+    return record
+
+
+def read(path: Path) -> list[dict]:
+    """The ledger's records in file order ([] when there is none). Raises ValueError naming
+    a line that is not a schema 1 record (:func:`bench.verdict.read_ledger`)."""
+    from bench.verdict import read_ledger
+
+    return read_ledger(path) if path.exists() else []
+
+
+def runs_of(records: Sequence[Mapping], commit: str, root: Path = ROOT) -> list[Mapping]:
+    """The clean runs of the code at ``commit`` (same tracked files outside the results)."""
+    return [r for r in records if not r["dirty"] and same_code(r["commit"], commit, root)]
+
+
+def merged(runs: Sequence[Mapping]) -> dict[str, Mapping[str, int]]:
+    """The runs' episodes as one ``good`` mapping, each named ``EPISODE#RUN`` (the episode's
+    prefix, which :func:`bench.witness.judge` sorts by, kept)."""
+    return {f"{e}#{i}": arms for i, r in enumerate(runs) for e, arms in r["good"].items()}
+
+
+def pooled_line(runs: Sequence[Mapping]) -> str:
+    """``witness pooled runs=N aa=[lo,hi] auto/L8=[lo,hi] ... result=R``: the witness over
+    ``runs``, auto against each fixed limit judged by :data:`MIN_VS_FIXED_POOLED`.
+    ``unresolved`` with fewer than :data:`POOLED_RUNS` runs unless it fails already."""
+    if not runs:
+        return "witness pooled runs=0 result=unresolved"
+    iv, result = judge(merged(runs), MIN_VS_FIXED_POOLED)
+    if len(runs) < POOLED_RUNS and result != "fail":
+        result = "unresolved"
+    parts = " ".join(f"{k}=[{lo:.2f},{hi:.2f}]" for k, (_, lo, hi) in iv.items())
+    return f"witness pooled runs={len(runs)} {parts} result={result}"
+
