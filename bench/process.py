@@ -28,13 +28,16 @@ READY_TIMEOUT_S = 300
 #: Where the benchmarks' ledgers live: what a run appends there is results, not a change to
 #: the code measured, so it never makes the checkout dirty (:func:`git_state`).
 RESULTS = "bench/results"
-#: The code measured: every tracked file outside :data:`RESULTS` (a ``git`` pathspec).
-CODE_PATHSPEC = (".", f":(exclude){RESULTS}")
+#: The code measured: every tracked file outside :data:`RESULTS` but the Markdown prose (a
+#: ``git`` pathspec; its ``*`` matches across directories). No program reads a ``.md`` file,
+#: so a commit of manuals or notes leaves the measured code as it was and the runs before and
+#: after it pool.
+CODE_PATHSPEC = (".", f":(exclude){RESULTS}", ":(exclude)*.md")
 
 
 def git_state(root: Path = ROOT) -> tuple[str, bool]:
     """``(commit, dirty)`` of the checkout at ``root``: HEAD (``"unknown"`` outside git), and
-    whether tracked files outside :data:`RESULTS` differ from it. A benchmark ledger keys its
+    whether the tracked code (:data:`CODE_PATHSPEC`) differs from it. A benchmark ledger keys its
     records by it, so a second run of the same code pools with the first even before the
     first's records are committed."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
@@ -45,8 +48,8 @@ def git_state(root: Path = ROOT) -> tuple[str, bool]:
 
 
 def same_code(a: str, b: str, root: Path = ROOT) -> bool:
-    """Whether commits ``a`` and ``b`` hold the same tracked files outside :data:`RESULTS`:
-    the same code measured (a commit of a ledger changes only results). False when git
+    """Whether commits ``a`` and ``b`` hold the same code (:data:`CODE_PATHSPEC`): the same
+    code measured (a commit of a ledger or of prose changes no code). False when git
     cannot tell (an unknown commit, no repository)."""
     if a == b:
         return True

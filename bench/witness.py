@@ -14,11 +14,11 @@ each of T2's bursts, each of T5's phases, 10-s windows of T6 (chat at 2x capacit
 arm's admission mode and resets the autotuner and the limiter's drain rate to their boot
 state, and the engine is drained (nothing in flight or queued). Arms: ``auto``, ``L8`` and
 ``L16`` (fixed limits), ``off`` (no gateway limit: what plain vLLM admits) and ``aa`` (L16
-again: the A/A control). Every arm
-replays the same seeded arrivals, shapes, words and photo crops (common random numbers); a salt
-word at the start of each text and a salt pixel in each crop make each arm's content its own,
-so no arm hits another's prefix or image cache while every arm does the same decode and prefill
-work. Episodes run in a random order, the arms in a fresh random permutation per episode.
+again: the A/A control). Every arm replays the same seeded arrivals, shapes, words and photo
+crops (common random numbers); a salt word at the start of each text and a salt pixel in each
+crop make each arm's content its own, so no arm hits another's prefix or image cache while
+every arm does the same decode and prefill work. Episodes run in a random order, the arms in a
+fresh random permutation per episode.
 Then the **sanity arm**: plain vLLM's own OpenAI server, started with the same engine
 arguments, replays the T1 windows once (:data:`PLAIN_EPISODES`), and a line compares its good
 requests with the ``off`` arm's (reported, not gated; :func:`sanity_line`).
@@ -505,17 +505,17 @@ def main(argv: Sequence[str] | None = None) -> int:
          "plain": plain, "kinds": kinds, "plain_kinds": plain_kinds}, indent=1))
     if args.url is None and not args.episodes and set(arms) == ARMS.keys():
         witness_ledger.append(args.ledger, good, args.seed, commit, dirty)
-    report(good, calib, args.sim, plain, kinds, plain_kinds, pooled(args.ledger))
+    report(good, calib, args.sim, plain, kinds, plain_kinds, pooled(args.ledger, commit))
     return 0 if good else 2
 
 
-def pooled(ledger: Path) -> str:
-    """:func:`bench.witness_ledger.pooled_line` over the ledger's runs of the code here."""
+def pooled(ledger: Path, commit: str) -> str:
+    """:func:`bench.witness_ledger.pooled_line` over the ledger's runs of the code of
+    ``commit`` (the checkout's HEAD, :func:`bench.process.git_state`)."""
     from bench import witness_ledger
-    from bench.process import git_state
 
     return witness_ledger.pooled_line(
-        witness_ledger.runs_of(witness_ledger.read(ledger), git_state()[0]))
+        witness_ledger.runs_of(witness_ledger.read(ledger), commit))
 
 
 def report(good: Mapping[str, Mapping[str, int]], calib: Mapping, sim: Path | None,

@@ -221,6 +221,9 @@ def test_a_ledger_appended_to_leaves_the_checkout_clean_a_code_change_does_not(t
     assert git_state(tmp_path) == (commit, False) and len(commit) == 40
     ledger.write_text("{}\n{}\n")
     assert git_state(tmp_path) == (commit, False)
+    (tmp_path / "notes.md").write_text("prose, read by no program\n")
+    git("add", "notes.md")
+    assert git_state(tmp_path) == (commit, False)
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_state(tmp_path) == (commit, True)
 

@@ -269,10 +269,10 @@ def test_pooling_spans_commits_of_the_same_code():
     assert {r["run"] for r in verdict.select_pool([*before, *dirty], same_code=same)} == {"rd"}
 
 
-def test_same_code_ignores_results_only(tmp_path):
+def test_same_code_ignores_results_and_prose(tmp_path):
     """``bench.process.same_code`` on a real repository: a commit touching only
-    ``bench/results`` holds the same code; one touching code does not; an unknown commit is
-    not the same."""
+    ``bench/results`` or Markdown prose (at the top or in a folder) holds the same code; one
+    touching code does not; an unknown commit is not the same."""
     from bench.process import same_code
 
     def git(*args: str) -> str:
@@ -289,10 +289,16 @@ def test_same_code_ignores_results_only(tmp_path):
     (tmp_path / "bench" / "results" / "ledger.jsonl").write_text("{}\n{}\n")
     git("commit", "-qam", "ledger")
     ledger_only = git("rev-parse", "HEAD")
+    (tmp_path / "README.md").write_text("# manual\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "guide.md").write_text("a chapter\n")
+    git("add", "-A"), git("commit", "-qm", "prose")
+    prose = git("rev-parse", "HEAD")
     (tmp_path / "code.py").write_text("x = 2\n")
     git("commit", "-qam", "change")
     changed = git("rev-parse", "HEAD")
     assert same_code(first, ledger_only, tmp_path)
+    assert same_code(first, prose, tmp_path)
     assert not same_code(first, changed, tmp_path)
     assert not same_code(first, "f" * 40, tmp_path)
 
