@@ -164,11 +164,15 @@ def judge(good: Mapping[str, Mapping[str, int]], min_vs_fixed: float = MIN_VS_FI
     return iv, result
 
 
+def intervals_text(iv: Mapping[str, tuple[float, float, float]]) -> str:
+    """``aa=[lo,hi] auto/L8=[lo,hi] ...``: :func:`judge`'s intervals as the lines print them."""
+    return " ".join(f"{k}=[{lo:.2f},{hi:.2f}]" for k, (_, lo, hi) in iv.items())
+
+
 def verdict_line(good: Mapping[str, Mapping[str, int]]) -> str:
     """``witness episodes=N aa=[lo,hi] ... result=R``."""
     iv, result = judge(good)
-    parts = " ".join(f"{k}=[{lo:.2f},{hi:.2f}]" for k, (_, lo, hi) in iv.items())
-    return f"witness episodes={len(good)} {parts} result={result}"
+    return f"witness episodes={len(good)} {intervals_text(iv)} result={result}"
 
 
 def combined_line(sim: Mapping, good: Mapping[str, Mapping[str, int]],
@@ -183,14 +187,14 @@ def combined_line(sim: Mapping, good: Mapping[str, Mapping[str, int]],
     the witness's A/A control is out of its band or the calibration is off; else the
     witness's (``inconclusive`` or ``pass``)."""
     iv, cpu = judge(good)
-    parts = " ".join(f"{k}=[{lo:.2f},{hi:.2f}]" for k, (_, lo, hi) in iv.items())
     if not sim["passed"] or cpu == "fail":
         result = "fail"
     elif cpu == "unresolved" or not calibrated:
         result = "unresolved"
     else:
         result = cpu
-    return f"{sim['head']} | calib={'ok' if calibrated else 'off'} | cpu {parts} result={result}"
+    return (f"{sim['head']} | calib={'ok' if calibrated else 'off'} | cpu {intervals_text(iv)} "
+            f"result={result}")
 
 
 def salt(arm: str, seed: int) -> str:

@@ -5,9 +5,9 @@ bench``'s ledger), and the witness pooled over every run of the same code.
 Issue 32 asks auto against each fixed limit for a lower 90 % bound >= 0.85 on one run and
 >= 0.90 pooled over three runs. Pooled, each episode of each run is one pair of the same
 paired bootstrap as one run's (:func:`bench.witness.judge`): the runs' days differ, and the
-pairs' spread carries that. Runs pool when their commits hold the same tracked files outside
-the results (:func:`bench.process.same_code`); a dirty checkout's run is recorded and never
-pooled.
+pairs' spread carries that. Runs pool when their commits hold the same code
+(:func:`bench.process.same_code`: results and Markdown prose aside); a dirty checkout's run is
+recorded and never pooled.
 
 Standard library only (with the bench package).
 """
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from bench.process import RESULTS, ROOT, same_code
-from bench.witness import judge
+from bench.witness import intervals_text, judge
 
 #: Where ``make bench-autotune`` appends its runs.
 LEDGER = ROOT / RESULTS / "witness-ledger.jsonl"
@@ -50,7 +50,7 @@ def read(path: Path) -> list[dict]:
 
 
 def runs_of(records: Sequence[Mapping], commit: str, root: Path = ROOT) -> list[Mapping]:
-    """The clean runs of the code at ``commit`` (same tracked files outside the results)."""
+    """The clean runs of the code at ``commit`` (:func:`bench.process.same_code`)."""
     return [r for r in records if not r["dirty"] and same_code(r["commit"], commit, root)]
 
 
@@ -69,6 +69,5 @@ def pooled_line(runs: Sequence[Mapping]) -> str:
     iv, result = judge(merged(runs), MIN_VS_FIXED_POOLED)
     if len(runs) < POOLED_RUNS and result != "fail":
         result = "unresolved"
-    parts = " ".join(f"{k}=[{lo:.2f},{hi:.2f}]" for k, (_, lo, hi) in iv.items())
-    return f"witness pooled runs={len(runs)} {parts} result={result}"
+    return f"witness pooled runs={len(runs)} {intervals_text(iv)} result={result}"
 
