@@ -50,6 +50,7 @@ from serve.admission.goodput import SloTargets, streamed_good
 from serve.admission.limiter import QUEUE_FULL, QUEUE_TIMEOUT, queue_wait_limit
 from serve.admission.limiter import SLO as SLO_REJECT
 from serve.admission.loop import AutotuneLoop
+from serve.admission.prefill import PrefillBacklog, PrefillCosts
 from serve.admission.signals import Decision
 from serve.admission.slots import LimiterSnapshot, Slot, SlotCounter
 from serve.settings import Settings
@@ -371,6 +372,8 @@ class SimGate:
         shed_ttft_s: TTFT target for SLO shedding (and the engine queue's bound), None to
             disable it.
         ceiling, engine_queue, ablate: as :class:`SlotCounter` (no engine queue by default).
+        step_tokens: the engine's ``max_num_batched_tokens`` (the prefill backlog's steps:
+            :class:`~serve.admission.prefill.PrefillBacklog`).
         on_admit: called with ``(result, slot)`` when a request enters the engine.
         on_drop: called with ``(result, reason)`` when the gate rejects a request.
         weights: each tenant's weight in fair admission (1 if absent).
@@ -382,7 +385,7 @@ class SimGate:
                  on_drop: Callable[[RequestResult, str], None],
                  ceiling: int | None = None, engine_queue: int = 0,
                  burst_window_s: float = 2.0, ablate: frozenset[str] = frozenset(),
-                 weights: dict[str, float] | None = None) -> None:
+                 weights: dict[str, float] | None = None, step_tokens: int = 0) -> None:
         self.slots = SlotCounter(limit, clock=clock, on_free=self._wake, ceiling=ceiling,
                                  engine_queue=engine_queue, engine_queue_wait_s=shed_ttft_s,
                                  burst_window_s=burst_window_s, ablate=ablate)
@@ -390,6 +393,7 @@ class SimGate:
         self.max_queue_wait_s = max_queue_wait_s
         self.clock = clock
         self.queue: FairQueue[RequestResult] = FairQueue(ablate)
+        self.backlog = PrefillBacklog(shed_ttft_s, step_tokens, ablate=ablate)
         self.weights = weights or {}
         self.shed_ttft_s = shed_ttft_s
         self.on_admit = on_admit
@@ -427,17 +431,19 @@ class SimGate:
         self.slots.arrived()
         if self._first_wave:
             self._end_first_wave()
-        tokens, tenant = result.request.prompt_tokens, result.request.tenant
-        if not self.queue and self.slots.admits(tokens):
+        req = result.request
+        tokens, tenant = req.prompt_tokens, req.tenant
+        cost = self.backlog.cost(tokens, req.image_tokens)
+        if not self.queue and self.backlog.admits(cost) and self.slots.admits(tokens):
             self.queue.started(tenant)
-            self.on_admit(result, self._granted(self.slots.take(result.arrival_s, tokens),
-                                                tenant))
+            self._enter(result, self.slots.take(result.arrival_s, tokens), tenant, cost)
             return
         if self.queue.pending(tenant) >= self.max_queue:
             self.on_drop(result, QUEUE_FULL)
             return
         if self.slots.slo_wait_s(self.queue.position(tenant), self.shed_ttft_s,
-                                 self.queue.ahead(tenant, self.slots.ahead())) is not None:
+                                 self.queue.ahead(tenant, self.slots.ahead())) is not None or \
+                self._hopeless(result, cost, self.queue.position(tenant)):
             self.on_drop(result, SLO_REJECT)
             return
         # The limiter's wait bound, fixed when the request queues (AdmissionLimiter.acquire).
@@ -463,10 +469,32 @@ class SimGate:
                     result.arrival_s + bound < latest[0]:
                 self._deadlines[id(result)] = (result.arrival_s + bound, True)
 
-    def _granted(self, slot: Slot, tenant: str) -> Slot:
-        """``slot`` is ``tenant``'s: releasing it gives the tenant's share back."""
-        slot.on_release = lambda: self.queue.finished(tenant)
-        return slot
+    def _enter(self, result: RequestResult, slot: Slot, tenant: str, cost: float) -> None:
+        """``result`` enters the engine with ``slot`` (``tenant``'s), predicted to prefill
+        in ``cost`` seconds: the limiter's ``_granted``."""
+        key, tokens = id(result), result.request.prompt_tokens
+        if self.backlog.on:
+            self.backlog.add(key, cost, tokens)
+
+        def released() -> None:
+            self.queue.finished(tenant)
+            self.backlog.discard(key)
+        slot.on_release = released
+        self.on_admit(result, slot)
+
+    def _hopeless(self, result: RequestResult, cost: float, position: float) -> bool:
+        """The limiter's ``_hopeless``: :meth:`PrefillBacklog.hopeless_behind` this queue,
+        while the request's tenant is the only one active."""
+        backlog = self.backlog
+        return self.queue.share(result.request.tenant) >= 1.0 and backlog.hopeless_behind(
+            self.clock() - result.arrival_s, cost, result.request.prompt_tokens, position,
+            ((backlog.cost(r.request.prompt_tokens, r.request.image_tokens),
+              r.request.prompt_tokens) for r in self.queue.items()))
+
+    def first_tokens(self, n: int) -> None:
+        """The engine produced ``n`` first tokens (the limiter's ``first_tokens``)."""
+        if self.backlog.first_tokens(n):
+            self._wake()
 
     def expire(self) -> None:
         """Reject queued requests past their wait bound: ``max_queue_wait_s``, or the TTFT
@@ -487,13 +515,53 @@ class SimGate:
         self.expire()
         while (head := self.queue.head()) is not None:
             tenant, result = head
-            if not self.slots.admits(result.request.prompt_tokens, result.arrival_s):
+            req = result.request
+            cost = self.backlog.cost(req.prompt_tokens, req.image_tokens)
+            if self._hopeless(result, cost, 0):
+                self.queue.pop(tenant)
+                del self._deadlines[id(result)]
+                self.on_drop(result, SLO_REJECT)
+                continue
+            if not self.backlog.admits(cost) or \
+                    not self.slots.admits(req.prompt_tokens, result.arrival_s):
                 break
             self.queue.pop(tenant)
             del self._deadlines[id(result)]
-            self.on_admit(result, self._granted(
-                self.slots.take(result.arrival_s, result.request.prompt_tokens, queued=True),
-                tenant))
+            self._enter(result, self.slots.take(result.arrival_s, req.prompt_tokens,
+                                                queued=True), tenant, cost)
+
+
+#: The prefill probes' prompts, tokens: short and long text, and an image prompt (a 336 x 336
+#: photo at 4 crops: 757 image tokens, and 16 of text), as the server's boot probes
+#: (``serve.admission.probe``).
+PROBE_SHORT, PROBE_LONG, PROBE_IMAGE = 16, 1024, (773, 757)
+
+
+def alone_ttft_s(engine: EngineConfig, tokens: int, image_tokens: int = 0) -> float:
+    """Seconds from admission to the first token of a prompt of ``tokens`` tokens
+    (``image_tokens`` of them image tokens) alone on an idle engine of the model
+    (:meth:`Simulation._schedule`'s step time, prefilled in chunks of
+    ``max_num_batched_tokens``)."""
+    total, done = 0.0, 0
+    while done < tokens:
+        n = min(engine.max_num_batched_tokens, tokens - done)
+        total += (engine.step_base_s + engine.step_per_seq_s
+                  + engine.step_per_prefill_token_s * n
+                  + (engine.step_per_image_token_s * image_tokens if not done else 0.0)
+                  + engine.step_per_kv_token_s * (done + n))
+        done += n
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def probe_costs(engine: EngineConfig) -> PrefillCosts:
+    """The prefill costs the server's boot probes would measure on this engine model
+    (:meth:`PrefillCosts.from_probes` on :func:`alone_ttft_s` of the probes' prompts)."""
+    long = min(PROBE_LONG, engine.max_num_batched_tokens)
+    tokens, image = PROBE_IMAGE
+    return PrefillCosts.from_probes((PROBE_SHORT, alone_ttft_s(engine, PROBE_SHORT)),
+                                    (long, alone_ttft_s(engine, long)),
+                                    (tokens, image, alone_ttft_s(engine, tokens, image)))
 
 
 class _NoGpu:
@@ -555,7 +623,9 @@ class Simulation:
                             engine_queue=setup.engine_queue,
                             burst_window_s=burst_window(setup.slo.ttft_s, setup.interval_s),
                             ablate=setup.controller.ablate if mode == "auto" else frozenset(),
-                            weights=dict(trace.weights))
+                            weights=dict(trace.weights),
+                            step_tokens=engine.max_num_batched_tokens)
+        self.gate.backlog.costs = probe_costs(engine)
         self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock,
                                     step_tokens=engine.max_num_batched_tokens,
                                     ttft_target_s=setup.slo.ttft_s)

@@ -461,6 +461,7 @@ class Gateway:
                      "capacity %s requests; admission limit %d", kv_tokens,
                      kv.get("num_gpu_blocks"), kv.get("block_size"),
                      kv.get("tokens_per_request"), capacity, self.admission.limiter.limit)
+            await self.admission.measure_prefill(engine, self.settings)
             self.state.openai_app = compose(app, self.request_layers())
             self.admission.loop.start()
             self._exit_stack.push_async_callback(self.admission.loop.stop)

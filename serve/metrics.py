@@ -21,6 +21,7 @@ autoscalers use them (``monitoring/README.md`` lists them; a test keeps the two 
 | ``phi3v_queued_requests`` | gauge | requests | read from limiter + engine stats at scrape |
 | ``phi3v_running_requests`` | gauge | requests | read from the limiter at scrape |
 | ``phi3v_max_num_seqs`` | gauge | requests | read from the limiter at scrape |
+| ``phi3v_prefill_backlog_seconds`` | gauge | seconds | read from the limiter at scrape |
 | ``phi3v_max_num_seqs_ceiling`` | gauge | requests | admission service, at start |
 | ``phi3v_kv_safe_seqs`` | gauge | requests | admission service, after the engine boots |
 | ``phi3v_max_queue`` | gauge | requests | admission service, at start |
@@ -134,6 +135,10 @@ class Metrics:
         self.max_num_seqs = Gauge("phi3v_max_num_seqs",
                                   "Live admission limit: the effective max_num_seqs "
                                   "(requests).", registry=r)
+        self.prefill_backlog = Gauge("phi3v_prefill_backlog_seconds",
+                                     "Predicted prefill of the requests admitted without a "
+                                     "first token yet, engine seconds (mode auto; "
+                                     "serve.admission.prefill).", registry=r)
         # --- configuration, set at start --------------------------------------------------------
         self.ceiling = Gauge("phi3v_max_num_seqs_ceiling",
                              "Engine max_num_seqs fixed at start: the highest the live limit "

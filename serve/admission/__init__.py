@@ -7,6 +7,8 @@ task that samples, asks the controller and applies its answer).
   completion rate), shared with the simulator;
 - ``burst``: admission past the limit of a burst at an idle engine, by its prompt tokens;
 - ``limiter``: the asyncio FIFO queue over the slots (queue bounds, SLO shedding);
+- ``prefill``: admission by predicted prefill time (the prefill backlog, mode ``auto``);
+  ``probe`` measures the engine's prefill costs at boot;
 - ``controller``: the pure algorithm (:class:`~serve.admission.signals.Signals` in, new
   limit and a reason out), the only writer of the limit; ``fits`` its arithmetic;
   ``signals`` the data it reads and decides; ``rules`` the names of its switchable rules;

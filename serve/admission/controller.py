@@ -6,9 +6,7 @@ holds, and restored on idle to what the recent traffic fits.
 - **Decrease** multiplicatively (``limit x decrease_factor``) on any sign of overload
   (:meth:`Controller.overload_reason`): KV-cache usage at or above ``kv_high_ratio`` (vLLM
   preempts past it), the engine-side TTFT p90 over its target, the p90 of the
-  finished requests' mean inter-token latency (TPOT) over the ITL target, or the mean token
-  gap of the last seconds (``Signals.itl_now_s``) over it: the TPOT shows a limit only when
-  the requests it admitted finish, the gaps at the next engine step.
+  finished requests' mean inter-token latency (TPOT) over the ITL target.
 - **Increase** additively (``max(1, ceil(limit x increase_ratio))``, at most ``max_step``)
   only when the limit is what binds (in flight >= limit), requests are queued at the gateway,
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
@@ -20,8 +18,8 @@ holds, and restored on idle to what the recent traffic fits.
   (:meth:`Controller.probe_room`).
 - **Restore** on idle (nothing in flight or queued, nothing arrived since the last sample):
   the limit becomes :meth:`Controller.idle_limit`, the boot figure (``start``, the KV-safe
-  capacity) until requests have finished, then what the recent traffic fits: the smaller of
-  its KV size fit and its TTFT fit (:mod:`serve.admission.fits`). An idle engine must take
+  capacity) until requests have finished, then what the recent traffic fits: its KV size fit
+  (:mod:`serve.admission.fits`). An idle engine must take
   the next burst at once, at a size it serves within the targets. A server refusing every
   arrival is empty, not idle: it keeps its limit.
 - **Hold** otherwise: the band between ``headroom`` x target and target is the hysteresis
@@ -178,8 +176,8 @@ class Controller:
         ``rate x ttft_target`` (:func:`serve.admission.fits.prefill_budget`): what the engine
         prefills within the TTFT target at the rate it showed on the last burst, image
         encoding included (:attr:`~serve.admission.engine_stats.EngineStatsFeed.
-        prefill_tokens_per_s`). The TTFT fit of :meth:`idle_limit` in tokens instead of mean
-        prompts, so it holds for each burst's own sizes. None before any rate is known, and
+        prefill_tokens_per_s`), in tokens, so it holds for each burst's own sizes. None before
+        any rate is known, and
         where no capacity was set (a pinned ``--admission-limit``: admission by count only).
         """
         if not self.kv_tokens or not self.config.on("burst_budget"):
@@ -187,23 +185,20 @@ class Controller:
         return fits.prefill_budget(prefill_tokens_per_s, self.config.ttft_target_s)
 
     def idle_limit(self, s: Signals) -> int:
-        """The limit an idle engine takes the next burst with (requests): the smaller of
-
-        - the **KV size fit** (:func:`serve.admission.fits.kv_size_fit`): requests of the
-          recent mean size (prompt + generated) that fill the KV cache to ``kv_high_ratio``;
-        - the **TTFT fit** (:func:`serve.admission.fits.ttft_fit`): prompts of the recent mean
-          size the engine prefills within the TTFT target at the rate it last showed.
-
-        ``start`` (the boot figure, which assumes the largest image in every request) until
-        requests have finished, and always where no capacity was set (:meth:`set_capacity`:
-        the server does not set it when the operator pinned ``--admission-limit``).
+        """The limit an idle engine takes the next burst with (requests): the **KV size fit**
+        (:func:`serve.admission.fits.kv_size_fit`): requests of the recent mean size (prompt +
+        generated) that fill the KV cache to ``kv_high_ratio``. What the engine prefills
+        within the TTFT target is the prefill backlog's bound (``serve.admission.prefill``),
+        request by request. ``start`` (the boot figure, which assumes the largest image in
+        every request) until requests have finished, and always where no capacity was set
+        (:meth:`set_capacity`: the server does not set it when the operator pinned
+        ``--admission-limit``).
         """
-        return self._traffic_limit(s, ttft_fit=True)
+        return self._traffic_limit(s)
 
     def burst_cap(self, s: Signals | None) -> int:
         """The most requests a burst admitted by its prefill budget may put in flight: the
-        idle limit (:meth:`idle_limit`) without its TTFT fit, which the budget replaces with
-        the burst's own sizes; the KV size fit still bounds it once a request has finished.
+        idle limit (:meth:`idle_limit`) once a request has finished.
         Before that, the ceiling: ``start`` assumes the largest image in every request,
         while the budget counts the burst's own prompt tokens (a burst of chats at boot
         would otherwise stop at the count a burst of the largest images fits), and the KV
@@ -213,20 +208,15 @@ class Controller:
             return self.start
         if s is None or s.mean_request_tokens is None:
             return self.config.ceiling
-        return self._traffic_limit(s, ttft_fit=False)
+        return self._traffic_limit(s)
 
-    def _traffic_limit(self, s: Signals, ttft_fit: bool) -> int:
+    def _traffic_limit(self, s: Signals) -> int:
         c = self.config
         if not self.kv_tokens:
             return self.start  # no capacity given: the start is fixed (or pinned)
         limit = fits.kv_size_fit(self.kv_tokens, c.kv_high_ratio, s.mean_request_tokens) \
             if c.on("kv_idle_fit") else None
-        limit = self.start if limit is None else limit  # before any request finished
-        if ttft_fit and c.on("ttft_fit"):
-            fit = fits.ttft_fit(s.prefill_tokens_per_s, c.ttft_target_s, s.mean_prompt_tokens)
-            if fit is not None:
-                limit = min(limit, fit)
-        return self._clamp(limit)
+        return self._clamp(self.start if limit is None else limit)  # start: none finished yet
 
     def _clamp(self, n: int) -> int:
         return max(self.config.min_seqs, min(self.config.ceiling, n))
@@ -241,8 +231,6 @@ class Controller:
         if s.ttft_p90_s is not None and s.ttft_p90_s > c.ttft_target_s:
             return "slo_ttft"
         if s.itl_p90_s is not None and s.itl_p90_s > c.itl_target_s:
-            return "slo_itl"
-        if c.on("itl_now") and s.itl_now_s is not None and s.itl_now_s > c.itl_target_s:
             return "slo_itl"
         return None
 
@@ -261,8 +249,6 @@ class Controller:
         c = self.config
         ttft_ok = s.ttft_p90_s is None or s.ttft_p90_s < c.headroom * c.ttft_target_s
         itl_ok = s.itl_p90_s is None or s.itl_p90_s < c.headroom * c.itl_target_s
-        if c.on("itl_now") and s.itl_now_s is not None:
-            itl_ok = itl_ok and s.itl_now_s < c.headroom * c.itl_target_s
         gpu_ok = s.gpu_utilization is None or s.gpu_utilization < c.gpu_busy_ratio
         return ttft_ok and itl_ok and gpu_ok
 

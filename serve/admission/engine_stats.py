@@ -3,8 +3,9 @@
 vLLM calls every stat logger's ``record(scheduler_stats, iteration_stats)`` after each engine
 step, in the API process (``vllm/v1/metrics/loggers.py``). :class:`EngineStatsFeed` keeps what
 the controller needs: the scheduler's running/waiting counts and KV-cache usage, preemptions,
-TTFT/TPOT samples in a sliding window, the mean token gap of the last seconds, the recent
-requests' mean sizes and the prefill rate a burst showed. No HTTP scrape, no parsing.
+TTFT/TPOT samples in a sliding window, the recent requests' mean size, the prefill rate a
+burst showed and the first tokens of each step (for the prefill backlog). No HTTP scrape, no
+parsing.
 """
 
 from __future__ import annotations
@@ -94,12 +95,6 @@ def stalled_s(now: float, last_step_s: float | None, busy_since_s: float | None)
 REQUEST_TOKENS_SAMPLES = 128
 
 
-#: Seconds of single token gaps whose mean is the leading ITL (:attr:`EngineStatsFeed.
-#: itl_now_s`): the autotuner's default interval (``--autotune-interval-s``), so each
-#: decision reads the gaps since the one before.
-GAPS_WINDOW_S = 2.0
-
-
 #: Seconds within which requests count as one burst (arrived together at an idle engine).
 BURST_ARRIVAL_S = 0.25
 #: Fewest requests of a burst whose prefill makes a throughput measurement.
@@ -135,11 +130,12 @@ class EngineStatsFeed:
     tpot: SlidingWindow = field(init=False)
     #: KV footprint (prompt + generated tokens) of the last finished requests.
     request_tokens: collections.deque = field(init=False)
-    #: Prompt tokens of the last finished requests.
-    prompt_tokens: collections.deque = field(init=False)
     #: Called with the new rate each time a burst measures the prefill rate (the autotune
     #: loop sets the limiter's burst budget from it, within the burst that measured it).
     on_prefill_rate: Callable[[float], None] | None = None
+    #: Called with the number of first tokens each engine step that produced any (the
+    #: limiter's prefill backlog, ``serve.admission.prefill``).
+    on_first_tokens: Callable[[int], None] | None = None
     #: Prompt tokens of one engine step (vLLM's ``max_num_batched_tokens``; 0: unknown): a
     #: burst whose prompts do not fill one step may raise the measured prefill rate but not
     #: lower it (:meth:`_burst_prefill`).
@@ -159,8 +155,6 @@ class EngineStatsFeed:
         self.ttft = SlidingWindow(self.window_s, self.clock)
         self.tpot = SlidingWindow(self.window_s, self.clock)
         self.request_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
-        self.prompt_tokens = collections.deque(maxlen=REQUEST_TOKENS_SAMPLES)
-        self.gaps = SlidingWindow(GAPS_WINDOW_S, self.clock)
 
     def forget(self) -> None:
         """Drop what the traffic taught (latency windows, recent sizes, the prefill rate): the
@@ -179,20 +173,6 @@ class EngineStatsFeed:
         if not self.request_tokens:
             return None
         return sum(self.request_tokens) / len(self.request_tokens)
-
-    @property
-    def mean_prompt_tokens(self) -> float | None:
-        """Mean prompt tokens (image tokens included) of the last finished requests."""
-        if not self.prompt_tokens:
-            return None
-        return sum(self.prompt_tokens) / len(self.prompt_tokens)
-
-    @property
-    def itl_now_s(self) -> float | None:
-        """Mean of the single token gaps of the last :data:`GAPS_WINDOW_S` seconds: the
-        mean inter-token latency the running requests get now, which their TPOT (a mean of
-        their own gaps) will show only when they finish. None without gaps."""
-        return self.gaps.mean()
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -270,12 +250,13 @@ class EngineStatsFeed:
         if iteration_stats is not None:
             self._burst_prefill(now, idle_before, iteration_stats)
             self.preemptions_total += iteration_stats.num_preempted_reqs
-            self.ttft.extend(iteration_stats.time_to_first_tokens_iter)
-            self.gaps.extend(iteration_stats.inter_token_latencies_iter)
+            firsts = iteration_stats.time_to_first_tokens_iter
+            self.ttft.extend(firsts)
+            if firsts and self.on_first_tokens is not None:
+                self.on_first_tokens(len(firsts))
             tpots = []
             for done in iteration_stats.finished_requests:
                 self.request_tokens.append(done.num_prompt_tokens + done.num_generation_tokens)
-                self.prompt_tokens.append(done.num_prompt_tokens)
                 if done.num_generation_tokens > 1:
                     tpots.append(done.mean_time_per_output_token)
             self.tpot.extend(tpots)  # one stamp per step (an empty batch adds nothing)

@@ -7,7 +7,6 @@ bound which move; nothing here keeps state.
 - :func:`kv_fit`: the running batch extrapolated to the KV-cache threshold (bounds a probe);
 - :func:`kv_size_fit`: requests of the traffic's mean size that fill the KV cache to the
   threshold (bounds the idle limit);
-- :func:`ttft_fit`: prompts of the mean size prefilled within the TTFT target;
 - :func:`prefill_budget`: prompt tokens prefilled within the TTFT target.
 """
 
@@ -44,12 +43,3 @@ def prefill_budget(prefill_tokens_per_s: float | None, ttft_target_s: float) -> 
         return None
     return math.floor(prefill_tokens_per_s * ttft_target_s)
 
-
-def ttft_fit(prefill_tokens_per_s: float | None, ttft_target_s: float,
-             mean_prompt_tokens: float | None) -> int | None:
-    """Prompts of ``mean_prompt_tokens`` that the engine prefills within the TTFT target:
-    :func:`prefill_budget` / mean prompt (requests), or None when either is unknown. A burst
-    admitted past it misses the target anyway and stretches every running stream's ITL."""
-    if not prefill_tokens_per_s or not mean_prompt_tokens:
-        return None
-    return math.floor(prefill_tokens_per_s * ttft_target_s / mean_prompt_tokens)

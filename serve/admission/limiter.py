@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from serve.admission.burst import burst_window_s
 from serve.admission.fair import DEFAULT_TENANT, FairQueue
+from serve.admission.prefill import PrefillBacklog
 from serve.admission.slots import LimiterSnapshot, Slot, SlotCounter
 
 __all__ = ["AdmissionLimiter", "Rejected", "Slot", "SlotCounter", "LimiterSnapshot",
@@ -94,6 +95,8 @@ class AdmissionLimiter:
             ``queue_timeout``.
         rate_window_s, clock, ceiling, engine_queue, engine_queue_wait_s, burst_window_s:
             as :class:`SlotCounter`.
+        ttft_target_s, step_tokens: as :class:`~serve.admission.prefill.PrefillBacklog`
+            (:attr:`backlog`: inactive until its costs are measured).
     """
 
     def __init__(self, limit: int, max_queue: int, max_queue_wait_s: float,
@@ -101,16 +104,18 @@ class AdmissionLimiter:
                  clock: Callable[[], float] = time.monotonic,
                  ceiling: int | None = None, engine_queue: int = 0,
                  engine_queue_wait_s: float | None = None,
-                 burst_window_s: float = 2.0) -> None:
+                 burst_window_s: float = 2.0, ttft_target_s: float | None = None,
+                 step_tokens: int = 0) -> None:
         self.slots = SlotCounter(limit, rate_window_s, clock, ceiling, engine_queue,
                                  on_free=self._wake, engine_queue_wait_s=engine_queue_wait_s,
                                  burst_window_s=burst_window_s)
+        self.backlog = PrefillBacklog(ttft_target_s, step_tokens)
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
         #: Queued requests, a FIFO per tenant (and user): (future of the slot, prompt tokens,
-        #: user, arrival clock time).
-        self.queue: FairQueue[tuple[asyncio.Future, int, str | None, float]] = FairQueue()
+        #: user, arrival clock time, predicted prefill seconds).
+        self.queue: FairQueue[tuple[asyncio.Future, int, str | None, float, float]] = FairQueue()
         #: Queued requests of a burst's first wave, which got no deadline
         #: (:meth:`SlotCounter.first_wave_ended`): (tenant, waiter, TTFT target).
         self._first_wave: list[tuple[str, tuple, float]] = []
@@ -174,20 +179,23 @@ class AdmissionLimiter:
 
     # --- admission ----------------------------------------------------------------------
     def try_acquire(self, tokens: int = 0, tenant: str = DEFAULT_TENANT,
-                    user: str | None = None) -> Slot | None:
+                    user: str | None = None, image_tokens: int = 0) -> Slot | None:
         """A slot at once, when :meth:`acquire` would grant one without waiting (nobody
-        queued, :meth:`SlotCounter.admits`, not closed): a plain call for the common case.
-        None: nothing happened (the arrival is not counted); call :meth:`acquire`."""
-        if self._closed or self.queue or not self.slots.admits(tokens):
+        queued, :meth:`SlotCounter.admits`, the prefill backlog admits it, not closed): a
+        plain call for the common case. None: nothing happened (the arrival is not
+        counted); call :meth:`acquire`."""
+        cost = self.backlog.cost(tokens, image_tokens)
+        if self._closed or self.queue or not self.backlog.admits(cost) or \
+                not self.slots.admits(tokens):
             return None
         start = self._clock()
         self.slots.arrived()
         self.queue.started(tenant, user)
-        return self._granted(self.slots.take(start, tokens), tenant, user)
+        return self._granted(self.slots.take(start, tokens), tenant, user, cost, tokens)
 
     async def acquire(self, ttft_target_s: float | None = None, tokens: int = 0,
                       tenant: str = DEFAULT_TENANT, weight: float = 1.0,
-                      user: str | None = None) -> Slot:
+                      user: str | None = None, image_tokens: int = 0) -> Slot:
         """Wait for a slot: FIFO within ``tenant``, weighted fair between tenants.
 
         Args:
@@ -200,7 +208,9 @@ class AdmissionLimiter:
                 shorter than ``max_queue_wait_s`` and its tenant is alone or over its share
                 (:meth:`FairQueue.over_share`).
             tokens: the request's prompt tokens, image tokens included (0: unknown), for a
-                burst's prefill budget (:meth:`SlotCounter.admits`).
+                burst's prefill budget (:meth:`SlotCounter.admits`) and, with ``image_tokens``,
+                the prefill backlog: it enters only while :meth:`PrefillBacklog.admits` it and
+                is refused (``slo``) once :meth:`PrefillBacklog.hopeless`.
             tenant: who sends it (the API key's tenant); ``weight`` (> 0) its share weight;
                 ``user``: the end user a trusted front end named (shares the tenant's slots).
 
@@ -218,9 +228,10 @@ class AdmissionLimiter:
             self._end_first_wave()
         if self._closed:
             raise Rejected(UNAVAILABLE, 1, self._closed_message)
-        if not self.pending and self.slots.admits(tokens):
+        cost = self.backlog.cost(tokens, image_tokens)
+        if not self.pending and self.backlog.admits(cost) and self.slots.admits(tokens):
             self.queue.started(tenant, user)
-            return self._granted(self.slots.take(start, tokens), tenant, user)
+            return self._granted(self.slots.take(start, tokens), tenant, user, cost, tokens)
         who = _who(tenant)
         # A trusted front end's user: the bound is the user's (one user's flood must not
         # fill it for the others), and so is the position the SLO is judged on.
@@ -234,10 +245,12 @@ class AdmissionLimiter:
             raise Rejected(SLO, self.retry_after_s(tenant),
                            f"Server busy: {who}expected queue wait {wait:.1f}s exceeds the "
                            f"TTFT target {ttft_target_s:.1f}s.")
+        if self._hopeless(tenant, 0.0, cost, tokens, self.queue.position(tenant, user)):
+            raise self._too_late(tenant, start)
         timeout, deadline = queue_wait_limit(self.slots, self.queue, tenant, ttft_target_s,
                                              self.max_queue_wait_s, user)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        waiter = (fut, tokens, user, start)
+        waiter = (fut, tokens, user, start, cost)
         self.queue.push(tenant, waiter, weight, user)
         if ttft_target_s is not None and not deadline and self.slots.first_wave() and \
                 self.queue.over_share(tenant, user):
@@ -275,6 +288,26 @@ class AdmissionLimiter:
                         f"Server busy: {who}not admitted within {bound_s:.1f}s, what the TTFT "
                         f"target {ttft_target_s:.1f}s leaves before the engine's first "
                         f"token{recently}.", queue_wait_s=self._clock() - start)
+
+    def _hopeless(self, tenant: str, waited_s: float, cost: float, tokens: int,
+                  position: float) -> bool:
+        """:meth:`PrefillBacklog.hopeless_behind` this queue, while ``tenant`` is the only one
+        active (:meth:`FairQueue.share`); in a burst too (it predicts the burst's own)."""
+        return self.queue.share(tenant) >= 1.0 and self.backlog.hopeless_behind(
+            waited_s, cost, tokens, position, ((w[4], w[1]) for w in self.queue.items()))
+
+    def _too_late(self, tenant: str, start: float) -> Rejected:
+        """The refusal (``slo``) of ``tenant``'s request (arrived at ``start``): hopeless."""
+        return Rejected(SLO, self.retry_after_s(tenant),
+                        f"Server busy: {_who(tenant)}the prefill already admitted "
+                        f"({self.backlog.backlog_s:.1f}s) leaves no time for a first token "
+                        f"within the TTFT target {self.backlog.ttft_target_s:.1f}s.",
+                        queue_wait_s=self._clock() - start)
+
+    def first_tokens(self, n: int) -> None:
+        """``n`` first tokens (the feed's ``on_first_tokens``): the prefill backlog drains."""
+        if self.backlog.first_tokens(n):
+            self._wake()
 
     def _end_first_wave(self) -> None:
         """An arrival came: once the open burst outgrew its first wave
@@ -317,13 +350,26 @@ class AdmissionLimiter:
                 refused += 1
         return refused
 
-    def _granted(self, slot: Slot, tenant: str, user: str | None) -> Slot:
-        """``slot`` is ``tenant``'s (``user``'s): releasing it gives their share back."""
-        slot.on_release = lambda: self.queue.finished(tenant, user)
+    def _granted(self, slot: Slot, tenant: str, user: str | None, cost: float = 0.0,
+                 tokens: int = 0) -> Slot:
+        """``slot`` is ``tenant``'s (``user``'s), its request predicted to prefill in
+        ``cost`` seconds (``tokens`` prompt tokens): it joins the prefill backlog, and
+        releasing it gives their share back (and leaves the backlog, if still in)."""
+        backlog = self.backlog
+        if not backlog.on:
+            slot.on_release = lambda: self.queue.finished(tenant, user)
+            return slot
+        key = object()  # the backlog's key; not the slot, which would make a reference cycle
+        backlog.add(key, cost, tokens)
+
+        def released() -> None:
+            self.queue.finished(tenant, user)
+            backlog.discard(key)
+        slot.on_release = released
         return slot
 
     def _abandon(self, tenant: str,
-                 waiter: tuple[asyncio.Future, int, str | None, float]) -> None:
+                 waiter: tuple[asyncio.Future, int, str | None, float, float]) -> None:
         """A waiter leaves (timeout, cancel). If it had been granted a slot meanwhile, hand the
         slot back, so no slot leaks."""
         fut = waiter[0]
@@ -338,12 +384,17 @@ class AdmissionLimiter:
         below its share (:meth:`FairQueue.head`)."""
         while (head := self.queue.head()) is not None:
             tenant, waiter = head
-            fut, tokens, user, arrived_at = waiter
+            fut, tokens, user, arrived_at, cost = waiter
             if fut.done():  # cancelled, not yet removed
                 self.queue.remove(tenant, waiter)
                 continue
-            if not self.slots.admits(tokens, arrived_at):
+            if self._hopeless(tenant, self._clock() - arrived_at, cost, tokens, 0):
+                self.queue.pop(tenant)
+                fut.set_exception(self._too_late(tenant, arrived_at))
+                continue
+            if not self.backlog.admits(cost) or not self.slots.admits(tokens, arrived_at):
                 break
             self.queue.pop(tenant)
             fut.set_result(self._granted(
-                self.slots.take(self._clock(), tokens, queued=True), tenant, user))
+                self.slots.take(self._clock(), tokens, queued=True), tenant, user, cost,
+                tokens))

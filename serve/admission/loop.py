@@ -88,6 +88,9 @@ class AutotuneLoop:
         self.last_signals: Signals | None = None
         self._task: asyncio.Task | None = None
         self.limiter.set_limit(controller.limit)
+        # The prefill backlog counts first tokens in every mode, and bounds admission in auto.
+        feed.on_first_tokens = limiter.first_tokens
+        limiter.backlog.active = mode == "auto"
         if mode == "auto":
             feed.on_prefill_rate = self._set_burst_budget
 
@@ -130,6 +133,7 @@ class AutotuneLoop:
         self.last_signals = None
         self.mode, self.mode_label = ("auto" if mode == "auto" else "static"), mode
         self.feed.on_prefill_rate = self._set_burst_budget if mode == "auto" else None
+        self.limiter.backlog.active = mode == "auto"
         self.limiter.set_limit(self.controller.limit if mode == "auto"
                                else limit if mode == "static" else OFF_LIMIT)
         self.metrics.auto_mode.set(1 if mode == "auto" else 0)
@@ -155,9 +159,7 @@ class AutotuneLoop:
             ttft_p90_s=self.feed.ttft.percentile(90),
             itl_p90_s=self.feed.tpot.percentile(90),
             mean_request_tokens=self.feed.mean_request_tokens,
-            mean_prompt_tokens=self.feed.mean_prompt_tokens,
             prefill_tokens_per_s=self.feed.prefill_tokens_per_s,
-            itl_now_s=self.feed.itl_now_s,
             gpu_utilization=self.gpu.read(),
         )
 
@@ -219,6 +221,9 @@ class AutotuneLoop:
             "first_token_p90_s": self.limiter.slots.first_token_s(),
             "queue_wait_bound_s": self.limiter.slots.queue_wait_bound_s(
                 self.controller.config.ttft_target_s),
+            # Admission by predicted prefill (serve.admission.prefill): the boot probes'
+            # costs and the prefill admitted without a first token now.
+            "prefill": self.limiter.backlog.state(),
             "gpu_utilization_available": self.gpu.available,
             "last_signals": None if s is None else s.__dict__,
             **{k: v for k, v in self.controller.state().items() if k != "limit"},

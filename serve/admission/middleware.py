@@ -280,10 +280,12 @@ class AdmissionMiddleware:
             metrics.requests.inc()
             tenant = scope.get(TENANT_SCOPE_KEY, ANONYMOUS)
             tokens, user = scope.get(PROMPT_TOKENS_SCOPE_KEY, 0), scope.get(USER_SCOPE_KEY)
+            # The intake's count (serve.intake.middleware), in the request's shared state.
+            image_tokens = (scope.get(REQUEST_STATE_KEY) or {}).get("image_tokens") or 0
             # While queued, the client's own messages tell a disconnect (not the body's replay).
-            slot = (self.limiter.try_acquire(tokens, tenant.name, user)
+            slot = (self.limiter.try_acquire(tokens, tenant.name, user, image_tokens)
                     or await self._acquire(receive.receive, tokens, tenant.name, tenant.weight,
-                                           user))
+                                           user, image_tokens))
         except ClientGone:
             return
         except Rejected as rej:
@@ -359,16 +361,17 @@ class AdmissionMiddleware:
                 note_(goodput=True)  # the tenant's goodput (serve.accounting)
 
     async def _acquire(self, receive: Receive, tokens: int = 0, tenant: str = DEFAULT_TENANT,
-                       weight: float = 1.0, user: str | None = None):
+                       weight: float = 1.0, user: str | None = None, image_tokens: int = 0):
         """Wait for a slot (:meth:`AdmissionLimiter.try_acquire` found none free) for a request
-        of ``tokens`` prompt tokens (the intake's estimate; 0: unknown) of ``tenant`` (weight
-        ``weight``; ``user``: a trusted front end's end user, :meth:`AdmissionLimiter.acquire`),
-        giving up (``ClientGone``) if the client
+        of ``tokens`` prompt tokens (the intake's estimate; 0: unknown), ``image_tokens`` of
+        them image tokens, of ``tenant`` (weight ``weight``; ``user``: a trusted front end's
+        end user, :meth:`AdmissionLimiter.acquire`), giving up (``ClientGone``) if the client
         disconnects while queued."""
         lim = self.limiter
         acquire = asyncio.ensure_future(lim.acquire(ttft_target_s=self.slo.ttft_s,
                                                     tokens=tokens, tenant=tenant,
-                                                    weight=weight, user=user))
+                                                    weight=weight, user=user,
+                                                    image_tokens=image_tokens))
         watch = asyncio.ensure_future(receive())
         try:
             await asyncio.wait({acquire, watch}, return_when=asyncio.FIRST_COMPLETED)

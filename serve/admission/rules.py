@@ -27,7 +27,6 @@ RULES: dict[str, str] = {
     "kv_fit_probe": "a probe stops at the KV fit (running x kv_high / KV usage)",
     "idle_restore": "an idle engine takes the idle limit (fits of recent traffic)",
     "kv_idle_fit": "the idle limit is what the KV cache holds at the recent mean size",
-    "ttft_fit": "the idle limit is at most the prompts prefilled within the TTFT target",
     "burst_budget": "a burst at an idle engine is admitted past the limit by prompt tokens",
     "burst_deadline": "a burst's prefill budget grows, for a request that arrived s seconds "
                       "after the burst opened, by what the engine prefills in s (its TTFT "
@@ -40,7 +39,12 @@ RULES: dict[str, str] = {
                   "one request), not a quarter",
     "probe_no_shed": "a queued request the next probe would admit is not shed for its "
                      "expected wait",
-    "itl_now": "the mean token gap of the last seconds counts as an ITL signal",
+    "prefill_backlog": "in auto, a request enters the engine only while the predicted prefill "
+                       "seconds of those admitted without a first token, plus its own, fit "
+                       "the TTFT target",
+    "prefill_shed": "in auto, while one tenant is active, a request that could meet the TTFT "
+                    "target alone but not behind the prefill backlog and the queue ahead is "
+                    "refused at once",
     "fair_below_share": "a tenant below its share of the slots is not shed for the engine "
                         "queue others filled",
 }

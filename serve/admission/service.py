@@ -3,6 +3,7 @@ targets), built from :class:`~serve.settings.Settings` and bound to the Promethe
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from serve.admission.capacity import kv_safe_seqs, tokens_per_request
@@ -14,6 +15,8 @@ from serve.admission.loop import AutotuneLoop
 from serve.admission.middleware import AdmissionMiddleware
 from serve.metrics import Metrics
 from serve.settings import Settings
+
+log = logging.getLogger("serve.admission")
 
 
 @dataclass
@@ -41,7 +44,9 @@ class Admission:
                                    ceiling=s.max_num_seqs, engine_queue=s.engine_queue,
                                    engine_queue_wait_s=s.slo_ttft_s,
                                    burst_window_s=burst_window_s(
-                                       s.slo_ttft_s, s.autotune_interval_s))
+                                       s.slo_ttft_s, s.autotune_interval_s),
+                                   ttft_target_s=s.slo_ttft_s,
+                                   step_tokens=s.max_num_batched_tokens or 0)
         feed = EngineStatsFeed(window_s=s.autotune_window_s, step_tokens=s.max_num_batched_tokens,
                                ttft_target_s=s.slo_ttft_s)
         loop = AutotuneLoop(Controller(config, s.admission_limit), limiter, feed,
@@ -58,6 +63,7 @@ class Admission:
         m.queued.set_function(lambda: lim.pending + feed.engine_queue)
         m.running.set_function(lambda: lim.in_flight)
         m.max_num_seqs.set_function(lambda: lim.limit)
+        m.prefill_backlog.set_function(lambda: lim.backlog.backlog_s)
         m.tenants.slots = lambda tenant: (lim.queue.in_flight(tenant), lim.queue.pending(tenant))
         config = self.loop.controller.config
         m.ceiling.set(config.ceiling)
@@ -116,6 +122,21 @@ class Admission:
             self.loop.controller.set_capacity(kv_tokens)
             self.limiter.set_limit(self.loop.controller.limit)
         return capacity
+
+    async def measure_prefill(self, engine, settings: Settings) -> None:
+        """Measure the engine's prefill costs (``serve.admission.probe``) for the limiter's
+        prefill backlog, then forget what the probes taught the feed (the autotuner starts
+        from no traffic). A failed probe leaves the backlog off, logged: admission by count
+        still works."""
+        from serve.admission.probe import measure
+
+        s = settings.resolved()
+        try:
+            self.limiter.backlog.costs = await measure(engine, s.num_crops,
+                                                       s.max_num_batched_tokens or 0)
+        except Exception:  # noqa: BLE001 - the gateway runs without the backlog
+            log.exception("prefill probes failed; admission by predicted prefill is off")
+        self.feed.forget()
 
     def stat_loggers(self) -> list:
         """vLLM stat logger factories feeding :attr:`feed` (imports vLLM)."""

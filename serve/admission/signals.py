@@ -39,12 +39,8 @@ class Signals:
             refused; None: unknown).
         mean_request_tokens: mean KV footprint (prompt + generated tokens) of recently
             finished requests, None before the first.
-        mean_prompt_tokens: mean prompt tokens of recently finished requests, None before
-            the first.
         prefill_tokens_per_s: prompt tokens/s the engine prefilled on the last burst
             (:class:`~serve.admission.engine_stats.EngineStatsFeed`), None before one.
-        itl_now_s: mean of the single token gaps of the last seconds, seconds (the running
-            streams' inter-token latency now; None: no gaps).
     """
 
     t: float
@@ -59,9 +55,7 @@ class Signals:
     gpu_utilization: float | None = None
     arrivals: int | None = None
     mean_request_tokens: float | None = None
-    mean_prompt_tokens: float | None = None
     prefill_tokens_per_s: float | None = None
-    itl_now_s: float | None = None
 
 
 @dataclass(frozen=True)

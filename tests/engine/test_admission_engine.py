@@ -286,3 +286,27 @@ async def test_a_burst_at_an_idle_server_is_admitted_by_its_prefill_budget():
         assert (after[0] - before[0], after[1] - before[1]) == (8, 8), (before, after, s_after)
     finally:
         stop_server(srv)
+
+
+async def test_the_boot_probes_measure_the_prefill_and_the_backlog_drains(server, images):
+    """The session server (mode auto) measured its engine's prefill costs at boot
+    (``serve.admission.probe``): a prompt token and a step cost time. Requests join the
+    prefill backlog when admitted and leave it by their first token: once a photo and
+    a few chats are answered, nothing is left in it."""
+    from tests.helpers import data_url
+
+    prefill = httpx.get(f"{server.base_url}/admin/autotuner", timeout=10).json()["prefill"]
+    costs = prefill["costs"]
+    assert prefill["active"] and costs is not None
+    assert costs["token_s"] > 0 and costs["step_s"] + costs["image_token_s"] >= 0
+    photo = {"model": server.model, "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(images / "astronaut.png")}},
+        {"type": "text", "text": "What is it?"}]}]}
+    async with httpx.AsyncClient(timeout=300) as client:
+        answers = await asyncio.gather(
+            client.post(f"{server.base_url}/v1/chat/completions", json=photo),
+            *[client.post(f"{server.base_url}/v1/chat/completions",
+                          json=body(server, 8, stream=stream)) for stream in (True, False) * 2])
+    assert [a.status_code for a in answers] == [200] * 5
+    prefill = httpx.get(f"{server.base_url}/admin/autotuner", timeout=10).json()["prefill"]
+    assert prefill["requests"] == 0 and prefill["backlog_s"] == 0 and prefill["active"]

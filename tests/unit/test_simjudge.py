@@ -70,13 +70,13 @@ def test_a_rule_earns_its_place_only_by_a_2_percent_loss_somewhere():
     base = [("", Cell("p", t, s, 1.0, 100)) for t in ("T1", "T2") for s in range(4)]
     rows = base + [("kv_fit_probe", Cell("p", "T2", s, 1.0, 97)) for s in range(4)] + \
         [("kv_fit_probe", Cell("p", "T1", s, 1.0, 100)) for s in range(4)] + \
-        [("ttft_fit", Cell("p", t, s, 1.0, 99 if s else 103)) for t in ("T1", "T2")
+        [("slow_probe", Cell("p", t, s, 1.0, 99 if s else 103)) for t in ("T1", "T2")
          for s in range(4)]
     found = {c.rule: c for c in ablate.costs(rows)}
     assert found["kv_fit_probe"].earns and found["kv_fit_probe"].where == "p/T2"
     assert found["kv_fit_probe"].cost == pytest.approx(0.03)
     assert found["kv_fit_probe"].seeds_lost == 4
-    assert not found["ttft_fit"].earns and found["ttft_fit"].cost == 0.0
+    assert not found["slow_probe"].earns and found["slow_probe"].cost == 0.0
     table = ablate.table(found.values())
     assert "| `kv_fit_probe` |" in table and "| keep |" in table and "**remove**" in table
     with pytest.raises(ValueError, match="no baseline"):

@@ -1,0 +1,211 @@
+"""Admission by predicted prefill time: the *prefill backlog* of the requests admitted that
+have no first token yet, in engine seconds.
+
+A request's time to a first token is the prefill work admitted before it (vLLM schedules
+waiting requests first come, first served) plus its own, plus the engine steps that work
+takes. Counting requests (the live limit) cannot see that a burst of 32 photos needs ten
+times the prefill of 32 short texts on a CPU engine; counting their predicted prefill
+seconds can. In mode ``auto`` the limiter (``serve.admission.limiter``) therefore also
+
+1. admits a request only while the backlog plus its own prefill stays within the TTFT
+   target (:meth:`PrefillBacklog.admits`; an empty backlog admits anything), and
+2. while one tenant is active, refuses at once (reason ``slo``) a request that could meet the
+   target on an idle engine but cannot behind the work ahead of it
+   (:meth:`PrefillBacklog.hopeless`): a refusal now lets the client retry or go elsewhere,
+   where admitting it would make it late and delay every request behind it.
+
+The costs are the engine's own, measured at boot (:class:`PrefillCosts`,
+``serve.admission.probe``): a step's fixed cost, a prompt token's and an image token's (the
+vision encoder's share, on top of the token's). The backlog learns that a request got its
+first token from vLLM's per-step stats (the count of first tokens each step,
+``IterationStats.time_to_first_tokens_iter``), oldest admission first, as vLLM schedules; a
+request that ends without one (refused by vLLM, client gone) leaves it when its slot is
+released.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+#: The prediction's costs are scaled by this factor. A prefill on a busy engine shares its
+#: steps with the decodes and the other prefills (the per-sequence cost the probes on an idle
+#: engine do not see) and a probe's cost is a single figure, not a distribution: the factor
+#: keeps the prediction on the side of admitting less and refusing early, short of refusing
+#: steady traffic an unlimited engine serves in time. Chosen on the simulator's suite
+#: (``python -m bench.simjudge``, every profile, seeds 0-9; docs/admission.md).
+COST_MARGIN = 1.3
+
+
+@dataclass(frozen=True)
+class PrefillCosts:
+    """The engine's prefill costs, seconds: ``step_s`` for one engine step (its fixed cost),
+    ``token_s`` per prompt token (image tokens included), ``image_token_s`` per image token
+    on top of that (the vision encoder). The step-time model of ``bench.calibrate`` and
+    ``bench.sim.EngineConfig`` without its per-sequence terms."""
+
+    step_s: float
+    token_s: float
+    image_token_s: float
+
+    @classmethod
+    def from_probes(cls, short: tuple[int, float], long: tuple[int, float],
+                    image: tuple[int, int, float]) -> "PrefillCosts":
+        """The costs that explain three prefills timed alone on an idle engine: ``short``
+        and ``long`` text prompts ``(prompt tokens, seconds to the first token)`` and an
+        image prompt ``(prompt tokens, image tokens, seconds)``. Each time is taken to be
+        one step's fixed cost plus the prompt's token costs; a cost that comes out negative
+        (timing noise) is 0.
+
+        Raises:
+            ValueError: the long prompt is not longer than the short one, or the image
+                prompt has no image tokens.
+        """
+        (n1, t1), (n2, t2), (n3, m3, t3) = short, long, image
+        if n2 <= n1:
+            raise ValueError(f"the long probe ({n2} tokens) must be longer than the short "
+                             f"one ({n1})")
+        if m3 <= 0:
+            raise ValueError("the image probe has no image tokens")
+        token_s = max(0.0, (t2 - t1) / (n2 - n1))
+        step_s = max(0.0, t1 - token_s * n1)
+        image_token_s = max(0.0, (t3 - step_s - token_s * n3) / m3)
+        return cls(step_s, token_s, image_token_s)
+
+    def prefill_s(self, tokens: int, image_tokens: int = 0) -> float:
+        """Seconds of prefill of a prompt of ``tokens`` tokens, ``image_tokens`` of them
+        image tokens (the steps' fixed cost not counted: :meth:`PrefillBacklog.hopeless`)."""
+        return self.token_s * tokens + self.image_token_s * image_tokens
+
+    def as_dict(self) -> dict:
+        return {"step_s": self.step_s, "token_s": self.token_s,
+                "image_token_s": self.image_token_s}
+
+
+class PrefillBacklog:
+    """Predicted prefill seconds of the admitted requests without a first token.
+
+    Inactive (admits everything, refuses nothing) until :attr:`costs` is set and while
+    :attr:`active` is False (the admission modes other than ``auto``).
+
+    Args:
+        ttft_target_s: the TTFT target, seconds (None: no bound, always inactive).
+        step_tokens: prompt tokens one engine step computes (vLLM's
+            ``max_num_batched_tokens``; 0: unknown, the steps are not counted).
+        margin: the factor on every predicted cost (:data:`COST_MARGIN`).
+        ablate: rules switched off (``serve.admission.rules``: ``prefill_backlog``, the
+            bound; ``prefill_shed``, the refusal of a hopeless request).
+    """
+
+    def __init__(self, ttft_target_s: float | None, step_tokens: int = 0,
+                 margin: float = COST_MARGIN, ablate: frozenset[str] = frozenset()) -> None:
+        self.ttft_target_s = ttft_target_s
+        self.step_tokens = step_tokens
+        self.margin = margin
+        self.bound = "prefill_backlog" not in ablate
+        self.shed = "prefill_shed" not in ablate
+        self.costs: PrefillCosts | None = None
+        self.active = True
+        #: Admitted requests in admission order: key -> (seconds, prompt tokens).
+        self._entries: collections.OrderedDict[object, tuple[float, int]] = \
+            collections.OrderedDict()
+        self.backlog_s = 0.0
+        self.backlog_tokens = 0
+
+    @property
+    def on(self) -> bool:
+        """Whether the backlog is kept now (costs known, a target, active)."""
+        return self.active and self.costs is not None and self.ttft_target_s is not None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def cost(self, tokens: int, image_tokens: int = 0) -> float:
+        """Predicted prefill seconds of a request (0 while the costs are unknown)."""
+        if self.costs is None:
+            return 0.0
+        return self.margin * self.costs.prefill_s(tokens, image_tokens)
+
+    def admits(self, cost_s: float) -> bool:
+        """Whether a request predicted to prefill in ``cost_s`` seconds may enter the
+        engine now: the backlog is empty, or it and the request fit the TTFT target."""
+        if not self.on or not self.bound or not self._entries:
+            return True
+        return self.backlog_s + cost_s <= self.ttft_target_s
+
+    def hopeless(self, waited_s: float, cost_s: float, tokens: int,
+                 ahead_s: float = 0.0, ahead_tokens: int = 0) -> bool:
+        """Whether a request that has waited ``waited_s`` seconds, predicted to prefill in
+        ``cost_s`` seconds (``tokens`` prompt tokens), cannot get its first token within
+        the TTFT target behind the backlog and ``ahead_s`` seconds (``ahead_tokens``
+        tokens) of queued requests ahead of it, while alone it could. The steps that work
+        takes add their fixed cost. A request that cannot meet the target even alone is
+        never called hopeless: refusing it would refuse it on every retry."""
+        if not self.on or not self.shed or (not self._entries and not ahead_s):
+            return False
+        target = self.ttft_target_s
+        step_s = self.margin * self.costs.step_s
+        if waited_s + cost_s + step_s * self._steps(tokens) > target:
+            return False
+        work = self.backlog_tokens + ahead_tokens + tokens
+        return (waited_s + self.backlog_s + ahead_s + cost_s
+                + step_s * self._steps(work)) > target
+
+    def hopeless_behind(self, waited_s: float, cost_s: float, tokens: int, position: float,
+                        queued: Iterable[tuple[float, int]]) -> bool:
+        """:meth:`hopeless` for a request behind ``position`` of the ``queued`` requests
+        (each ``(predicted seconds, prompt tokens)``; their mean counts for each place ahead:
+        the fair queue gives a position in requests, not which ones)."""
+        if not self.on or not self.shed:
+            return False
+        ahead_s = ahead_tokens = 0.0
+        if position:
+            costs = list(queued)
+            if costs:
+                scale = position / len(costs)
+                ahead_s = scale * sum(c for c, _ in costs)
+                ahead_tokens = scale * sum(t for _, t in costs)
+        return self.hopeless(waited_s, cost_s, tokens, ahead_s, int(ahead_tokens))
+
+    def _steps(self, tokens: int) -> int:
+        """Engine steps that prefill ``tokens`` prompt tokens (1 when the budget is
+        unknown)."""
+        return max(1, math.ceil(tokens / self.step_tokens)) if self.step_tokens else 1
+
+    def add(self, key: object, cost_s: float, tokens: int) -> None:
+        """Request ``key`` entered the engine, predicted to prefill in ``cost_s`` seconds."""
+        self._entries[key] = (cost_s, tokens)
+        self.backlog_s += cost_s
+        self.backlog_tokens += tokens
+
+    def first_tokens(self, n: int) -> bool:
+        """The engine produced ``n`` first tokens: the ``n`` oldest requests leave the
+        backlog (vLLM prefills first come, first served). True when the backlog shrank."""
+        popped = False
+        for _ in range(min(n, len(self._entries))):
+            _, (cost, tokens) = self._entries.popitem(last=False)
+            self._drop(cost, tokens)
+            popped = True
+        return popped
+
+    def discard(self, key: object) -> None:
+        """Request ``key`` ended (its slot released); it leaves the backlog if still in."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._drop(*entry)
+
+    def _drop(self, cost: float, tokens: int) -> None:
+        self.backlog_s -= cost
+        self.backlog_tokens -= tokens
+        if not self._entries:  # no float drift left over once empty
+            self.backlog_s, self.backlog_tokens = 0.0, 0
+
+    def state(self) -> dict:
+        """For ``GET /admin/autotuner``: the costs, the margin, the backlog now."""
+        return {"costs": None if self.costs is None else self.costs.as_dict(),
+                "margin": self.margin, "active": self.on, "requests": len(self._entries),
+                "backlog_s": round(self.backlog_s, 4), "backlog_tokens": self.backlog_tokens}
