@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 #: The prediction's costs are scaled by this factor. A prefill on a busy engine shares its
 #: steps with the decodes and the other prefills (the per-sequence cost the probes on an idle
@@ -81,9 +81,6 @@ class PrefillCosts:
         image tokens (the steps' fixed cost not counted: :meth:`PrefillBacklog.hopeless`)."""
         return self.token_s * tokens + self.image_token_s * image_tokens
 
-    def as_dict(self) -> dict:
-        return {"step_s": self.step_s, "token_s": self.token_s,
-                "image_token_s": self.image_token_s}
 
 
 class PrefillBacklog:
@@ -206,6 +203,6 @@ class PrefillBacklog:
 
     def state(self) -> dict:
         """For ``GET /admin/autotuner``: the costs, the margin, the backlog now."""
-        return {"costs": None if self.costs is None else self.costs.as_dict(),
+        return {"costs": None if self.costs is None else asdict(self.costs),
                 "margin": self.margin, "active": self.on, "requests": len(self._entries),
                 "backlog_s": round(self.backlog_s, 4), "backlog_tokens": self.backlog_tokens}
