@@ -80,12 +80,10 @@ from serve.settings import Settings
 #: Static limits compared with ``auto`` (requests): powers of two up to the GPU ceiling.
 STATIC_LIMITS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-# The shipped autotuner defaults (10 s latency window, 0.85 decrease, auto starting at
-# ceiling // 8) came out of this benchmark: with a 20 s window, overload samples outlived the
-# decrease they caused and the controller kept cutting on stale p90s (windup down to L=1); with
-# a 0.75 decrease and a start at 8 the first ramp shed requests. On the phase trace, seeds 0-5:
-# auto/best static 0.95-1.02 (mean 0.99) -> 1.01-1.06 (mean 1.04); auto/oracle 0.90-0.95 ->
-# 0.97-0.99.
+# The autotuner's time constants (its latency window, decrease factor and KV probe ratio) are
+# chosen on this benchmark's simulator over seeds (bench.simjudge): a window longer than the
+# decrease takes to show keeps cutting on stale p90s (windup), and a deep decrease sheds the
+# requests that a cut limit's draining in-flight requests hold back.
 
 
 def gpu_setup() -> Setup:

@@ -481,9 +481,11 @@ class Settings(BaseSettings):
         description="Increase only while p90 latency < headroom x target (hysteresis band).",
     )
     autotune_decrease_factor: float = Field(
-        0.85, gt=0, lt=1,
-        description="Multiplicative decrease on overload (0.85: batch latency grows "
-        "sub-linearly with the limit, so a TCP-like halving over-cuts).",
+        0.9, gt=0, lt=1,
+        description="Multiplicative decrease on overload (0.9: batch latency grows "
+        "sub-linearly with the limit, so a TCP-like halving over-cuts, and the requests in "
+        "flight past a cut limit drain over several decisions, each of which may cut again; "
+        "chosen on the simulator's suite over ten seeds, docs/admission.md).",
     )
     autotune_increase_ratio: float = Field(
         0.25, gt=0, description="Additive increase as a fraction of the limit."
@@ -491,6 +493,13 @@ class Settings(BaseSettings):
     autotune_max_step: int = Field(16, ge=1, description="Most requests added per decision.")
     autotune_kv_high_ratio: float = Field(
         0.95, gt=0, le=1, description="KV-cache usage (0-1) treated as full: decrease."
+    )
+    autotune_kv_probe_ratio: float = Field(
+        0.9, gt=0, le=1,
+        description="A probe stops where the running requests would fill the KV cache to "
+        "this usage (0-1; at most --autotune-kv-high-ratio): the gap is the hysteresis band "
+        "of the KV cut, as --autotune-headroom is for latency (0.9: chosen on the simulator's "
+        "suite over ten seeds, docs/admission.md).",
     )
 
     # --- vLLM's other flags ---------------------------------------------------------------

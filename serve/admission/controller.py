@@ -10,10 +10,9 @@ holds, and restored on idle to what the recent traffic fits.
 - **Increase** additively (``max(1, ceil(limit x increase_ratio))``, at most ``max_step``)
   only when the limit is what binds (in flight >= limit), requests are queued at the gateway,
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
-  saturated); after a latency cut, until the next idle restore, by
-  :data:`SLOW_PROBE_RATIO` of it (the limit that overloaded lies just above);
-  never past the **KV fit** (:func:`serve.admission.fits.kv_fit`: what the
-  cache holds at the running requests' mean size; past it vLLM preempts). The requests the
+  saturated); never past the **KV fit** (:func:`serve.admission.fits.kv_fit`: what the
+  cache holds at the running requests' mean size up to ``kv_probe_ratio``, below the KV cut's
+  ``kv_high_ratio``; past it vLLM preempts). The requests the
   next probe would admit are queued, not shed for their expected wait
   (:meth:`Controller.probe_room`).
 - **Restore** on idle (nothing in flight or queued, nothing arrived since the last sample):
@@ -56,12 +55,6 @@ from serve.admission import fits
 from serve.admission.rules import check as check_rules
 from serve.admission.signals import Decision, Direction, Signals
 
-#: A probe's step after a latency cut, as a fraction of the limit (rule ``slow_probe``):
-#: one request at the CPU's limits, a few per decision at a GPU's hundreds, so that a cut on
-#: a transient is won back within a minute (TCP's congestion avoidance adds one segment per
-#: round trip after a loss, RFC 5681; a decision is not a round trip here).
-SLOW_PROBE_RATIO = 0.05
-
 
 @dataclass(frozen=True)
 class ControllerConfig:
@@ -77,12 +70,19 @@ class ControllerConfig:
         itl_target_s: inter-token latency target in seconds (p90).
         headroom: increase only while latency < headroom x target (0.7: 30 % margin keeps the
             next step from overshooting; the gap to 1.0 is the hysteresis band).
-        decrease_factor: multiplicative backoff (0.85: TCP-like halving is too harsh for a
-            batch engine whose latency grows sub-linearly with batch size).
+        decrease_factor: multiplicative backoff (0.9: TCP-like halving is too harsh for a
+            batch engine whose latency grows sub-linearly with batch size, and the requests
+            in flight past a cut limit drain over several decisions, each of which may cut
+            again).
         increase_ratio: additive step as a fraction of the limit (0.25: reach the ceiling from
             1 in ~O(log) ticks early on, gently near the top).
         max_step: most requests added per tick (bounds the overshoot of one probe).
         kv_high_ratio: KV-cache usage (0-1) treated as full: vLLM preempts soon after.
+        kv_probe_ratio: KV-cache usage (0-1, at most ``kv_high_ratio``) a probe may fill at
+            the running requests' mean size (:meth:`Controller.kv_fit`): the gap below
+            ``kv_high_ratio`` is the hysteresis band of the KV cut, as ``headroom`` is for
+            latency (a probe that lands at the cut's threshold is cut back at the next
+            decision).
         gpu_busy_ratio: GPU utilization (0-1) above which adding sequences is not expected to
             add throughput; ignored where utilization is unavailable (CPU).
         ablate: names of :data:`serve.admission.rules.RULES` switched off (the ablation
@@ -98,6 +98,7 @@ class ControllerConfig:
     increase_ratio: float
     max_step: int
     kv_high_ratio: float
+    kv_probe_ratio: float
     gpu_busy_ratio: float = 0.98
     ablate: frozenset[str] = frozenset()
 
@@ -111,7 +112,7 @@ class ControllerConfig:
             ttft_target_s=s.slo_ttft_s, itl_target_s=s.slo_itl_s,
             headroom=s.autotune_headroom, decrease_factor=s.autotune_decrease_factor,
             increase_ratio=s.autotune_increase_ratio, max_step=s.autotune_max_step,
-            kv_high_ratio=s.autotune_kv_high_ratio)
+            kv_high_ratio=s.autotune_kv_high_ratio, kv_probe_ratio=s.autotune_kv_probe_ratio)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_seqs <= self.ceiling:
@@ -120,6 +121,8 @@ class ControllerConfig:
             raise ValueError("decrease_factor must be in (0, 1)")
         if not 0 < self.headroom <= 1:
             raise ValueError("headroom must be in (0, 1]")
+        if not 0 < self.kv_probe_ratio <= self.kv_high_ratio:
+            raise ValueError("need 0 < kv_probe_ratio <= kv_high_ratio")
         object.__setattr__(self, "ablate", check_rules(self.ablate))
 
     def on(self, rule: str) -> bool:
@@ -146,10 +149,6 @@ class Controller:
     kv_tokens: int | None = field(default=None, init=False)
     decisions: deque = field(init=False)
 
-    #: A latency cut (``slo_ttft``, ``slo_itl``) came after the last idle restore: rule
-    #: ``slow_probe``.
-    _cut_since_idle: bool = field(default=False, init=False)
-
     def __post_init__(self) -> None:
         self.limit = self.start = self._clamp(self.limit)
         self.decisions = deque(maxlen=self.history)
@@ -162,7 +161,6 @@ class Controller:
         """Back to the boot state: the limit is ``start`` again, no decisions kept."""
         self.limit = self.start
         self.decisions.clear()
-        self._cut_since_idle = False
 
     def set_capacity(self, kv_tokens: int | None) -> None:
         """The engine's KV-cache capacity in tokens (vLLM's ``num_gpu_blocks x block_size``),
@@ -237,9 +235,6 @@ class Controller:
     def _probe_step(self) -> int:
         """Requests one probe adds to the limit now (before the bounds)."""
         c = self.config
-        if c.on("slow_probe") and self._cut_since_idle:
-            # Past a latency cut the limit that overloaded lies close above.
-            return max(1, math.ceil(self.limit * SLOW_PROBE_RATIO))
         return min(c.max_step, max(1, math.ceil(self.limit * c.increase_ratio)))
 
     def has_headroom(self, s: Signals) -> bool:
@@ -275,11 +270,11 @@ class Controller:
         return new, "demand"
 
     def kv_fit(self, s: Signals) -> int | None:
-        """Sequences the KV cache holds below ``kv_high_ratio`` at the current mix
+        """Sequences the KV cache holds at ``kv_probe_ratio`` usage at the current mix
         (:func:`serve.admission.fits.kv_fit`), or None when unknown."""
         if not self.config.on("kv_fit_probe"):
             return None
-        return fits.kv_fit(s.engine_running, s.kv_cache_usage, self.config.kv_high_ratio)
+        return fits.kv_fit(s.engine_running, s.kv_cache_usage, self.config.kv_probe_ratio)
 
     def step(self, s: Signals) -> Decision:
         """Decide the next limit from one sample; updates ``self.limit``."""
@@ -301,13 +296,10 @@ class Controller:
             # Idle: nothing in flight or queued, and nothing arrived since the last sample
             # (a server shedding every arrival under overload is empty, not idle).
             new = self.idle_limit(s)
-            self._cut_since_idle = False
             direction = "up" if new > old else "down" if new < old else "hold"
             reason = "idle"
         else:
             new, direction, reason = old, "hold", "steady"
-        if new < old and reason in ("slo_ttft", "slo_itl"):
-            self._cut_since_idle = True
         self.limit = new
         decision = Decision(s.t, old, new, direction, reason)
         self.decisions.append(decision)

@@ -24,7 +24,7 @@ RULES: dict[str, str] = {
     "queue_deadline": "a queued request of a tenant alone or over its share is refused once "
                       "less of the TTFT target is left than the recent time from admission "
                       "to a first token (the whole target before one is seen)",
-    "kv_fit_probe": "a probe stops at the KV fit (running x kv_high / KV usage)",
+    "kv_fit_probe": "a probe stops at the KV fit (running x kv_probe / KV usage)",
     "idle_restore": "an idle engine takes the idle limit (fits of recent traffic)",
     "kv_idle_fit": "the idle limit is what the KV cache holds at the recent mean size",
     "burst_budget": "a burst at an idle engine is admitted past the limit by prompt tokens",
@@ -35,8 +35,6 @@ RULES: dict[str, str] = {
                      "deadline for its first max_num_seqs arrivals while it brings no more",
     "engine_queue_wait": "the engine queue holds at most rate x TTFT target requests "
                          "(none before a rate is known)",
-    "slow_probe": "after a latency cut (until idle) a probe adds 5 % of the limit (at least "
-                  "one request), not a quarter",
     "probe_no_shed": "a queued request the next probe would admit is not shed for its "
                      "expected wait",
     "prefill_backlog": "in auto, a request enters the engine only while the predicted prefill "

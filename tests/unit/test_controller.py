@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from serve.admission.controller import Controller, ControllerConfig, Signals
 from serve.settings import Settings
 
@@ -65,24 +67,6 @@ def test_decrease_on_slo_breach_ttft_and_itl_and_kv():
     assert c.limit == 18
     assert c.step(busy(20, 18, kv_cache_usage=0.97)).reason == "kv_cache"
     assert c.limit == 13
-
-
-def test_after_a_latency_cut_the_probe_creeps_until_idle():
-    """``slow_probe``: past a latency cut the limit that overloaded is close above, so each
-    probe adds SLOW_PROBE_RATIO of the limit, at least one request, until an idle restore; a
-    cut for KV pressure does not switch it on; ablated, probes stay 25 %."""
-    c = Controller(CFG, limit=40)
-    assert c.step(busy(0, 40, kv_cache_usage=0.97)).reason == "kv_cache"
-    assert c.step(busy(2, 30)).new_limit == 30 + 8  # ceil(30 x 0.25)
-    assert c.step(busy(4, 38, ttft_p90_s=1.5)).new_limit == 28
-    limits = [c.step(busy(6 + 2 * i, c.limit)).new_limit for i in range(3)]
-    assert limits == [30, 32, 34]  # ceil(0.05 x 28) = 2
-    assert c.step(Signals(t=20, arrivals=0)).reason == "idle"
-    assert c.limit == 40  # the start (no KV capacity set)
-    assert c.step(busy(22, 40)).new_limit == 50  # ceil(40 x 0.25) again
-    off = Controller(dataclasses.replace(CFG, ablate=frozenset({"slow_probe"})), limit=40)
-    off.step(busy(0, 40, ttft_p90_s=1.5))
-    assert off.step(busy(2, 30)).new_limit == 38
 
 
 def test_bounds_honoured():
@@ -147,17 +131,26 @@ def test_idle_engine_gets_its_start_limit_back():
 
 
 def test_increase_stops_where_the_kv_cache_is_full():
-    """A probe never goes past what the KV cache holds at the running requests' mean size:
-    vLLM would answer it with preemption."""
+    """A probe never goes past what the KV cache holds at the running requests' mean size up
+    to ``kv_probe_ratio`` (0.9), below the KV cut's ``kv_high_ratio`` (0.95): vLLM would
+    answer it with preemption, and a probe landing at the cut's threshold would be cut back
+    at the next decision."""
+    assert CFG.kv_probe_ratio < CFG.kv_high_ratio
     c = Controller(CFG, limit=32)
-    # 32 running fill 60 % of the cache: 32 x 0.95 / 0.6 = 50 fit; the step (+8) is inside.
+    # 32 running fill 60 % of the cache: 32 x 0.9 / 0.6 = 48 fit; the step (+8) is inside.
     assert c.step(busy(0, 32, kv_cache_usage=0.6)).new_limit == 40
-    # 40 running fill 85 %: 44 fit; the step (+10) is cut to 44.
+    # 40 running fill 85 %: 40 x 0.9 / 0.85 = 42 fit; the step (+10) is cut to 42.
     d = c.step(busy(2, 40, kv_cache_usage=0.85))
-    assert (d.new_limit, d.direction, d.reason) == (44, "up", "kv_fit")
-    # At the fit, demand alone holds.
-    d = c.step(busy(4, 44, kv_cache_usage=0.94))
-    assert (d.new_limit, d.direction, d.reason) == (44, "hold", "kv_fit")
+    assert (d.new_limit, d.direction, d.reason) == (42, "up", "kv_fit")
+    # At the fit (42 running fill 92 %: in the band, neither a probe nor a cut), demand holds.
+    d = c.step(busy(4, 42, kv_cache_usage=0.92))
+    assert (d.new_limit, d.direction, d.reason) == (42, "hold", "kv_fit")
+
+
+def test_kv_probe_ratio_must_lie_at_or_below_the_kv_cut():
+    """A probe bound above the cut's threshold would probe into a cut: refused at build."""
+    with pytest.raises(ValueError, match="kv_probe_ratio"):
+        dataclasses.replace(CFG, kv_probe_ratio=0.97)
 
 
 def test_idle_limit_learns_the_traffic():
@@ -210,7 +203,7 @@ def test_the_probe_room_is_what_the_next_decision_adds_for_a_queue():
     c = Controller(CFG, limit=32)
     assert c.probe_room(busy(0, 32)) == 8  # a quarter of the limit, below max_step
     assert c.step(busy(0, 32)).new_limit == 40  # the probe adds just that
-    assert c.probe_room(busy(2, 40, kv_cache_usage=0.85)) == 4  # up to the KV fit: 44
+    assert c.probe_room(busy(2, 40, kv_cache_usage=0.85)) == 2  # up to the KV fit: 42
     assert c.probe_room(busy(2, 40, ttft_p90_s=0.8)) == 0  # no latency headroom
     assert c.probe_room(busy(2, 40, kv_cache_usage=0.99)) == 0  # overload
     c.set_start(64)

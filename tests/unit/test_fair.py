@@ -155,13 +155,13 @@ def test_sim_a_tenant_flooding_at_4x_leaves_a_light_one_its_slo():
     assert good >= 0.95 * good_alone
 
 
-def test_sim_without_fair_below_share_a_light_tenant_is_refused_for_an_8x_flood():
+def test_sim_without_fair_below_share_a_light_tenant_is_refused_for_a_4x_flood():
     """Without the rule the light tenant is refused for the engine queue the flood filled."""
     def refused(run):
         return sum(bool(r.dropped) for r in run.requests if r.request.tenant == "light")
 
-    with_rule = refused(_run({"flood": 8.0, "light": 0.2})[2])
-    ablated = refused(_run({"flood": 8.0, "light": 0.2},
+    with_rule = refused(_run({"flood": 4.0, "light": 0.2})[2])
+    ablated = refused(_run({"flood": 4.0, "light": 0.2},
                            ablate=frozenset({"fair_below_share"}))[2])
     assert ablated >= 3 * with_rule + 5, (ablated, with_rule)
 
