@@ -497,7 +497,8 @@ class Settings(BaseSettings):
     autotune_kv_probe_ratio: float = Field(
         0.9, gt=0, le=1,
         description="A probe stops where the running requests would fill the KV cache to "
-        "this usage (0-1; at most --autotune-kv-high-ratio): the gap is the hysteresis band "
+        "this usage (0-1; a value over --autotune-kv-high-ratio is taken as that ratio): "
+        "the gap below the cut's ratio is the hysteresis band "
         "of the KV cut, as --autotune-headroom is for latency (0.9: chosen on the simulator's "
         "suite over ten seeds, docs/admission.md).",
     )

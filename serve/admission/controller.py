@@ -112,7 +112,9 @@ class ControllerConfig:
             ttft_target_s=s.slo_ttft_s, itl_target_s=s.slo_itl_s,
             headroom=s.autotune_headroom, decrease_factor=s.autotune_decrease_factor,
             increase_ratio=s.autotune_increase_ratio, max_step=s.autotune_max_step,
-            kv_high_ratio=s.autotune_kv_high_ratio, kv_probe_ratio=s.autotune_kv_probe_ratio)
+            kv_high_ratio=s.autotune_kv_high_ratio,
+            # A cut threshold lowered under the probe's default takes the probe down with it.
+            kv_probe_ratio=min(s.autotune_kv_probe_ratio, s.autotune_kv_high_ratio))
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_seqs <= self.ceiling:

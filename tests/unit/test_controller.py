@@ -147,10 +147,16 @@ def test_increase_stops_where_the_kv_cache_is_full():
     assert (d.new_limit, d.direction, d.reason) == (42, "hold", "kv_fit")
 
 
-def test_kv_probe_ratio_must_lie_at_or_below_the_kv_cut():
-    """A probe bound above the cut's threshold would probe into a cut: refused at build."""
+def test_kv_probe_ratio_never_lies_above_the_kv_cut():
+    """A probe bound above the cut's threshold would probe into a cut: refused when built
+    directly; from the settings, an operator who lowers the cut's ratio under the probe's
+    default gets the probe lowered with it, not an error."""
     with pytest.raises(ValueError, match="kv_probe_ratio"):
         dataclasses.replace(CFG, kv_probe_ratio=0.97)
+    low = ControllerConfig.from_settings(Settings(device="cuda", autotune_kv_high_ratio=0.8))
+    assert low.kv_high_ratio == low.kv_probe_ratio == 0.8
+    assert ControllerConfig.from_settings(Settings(
+        device="cuda", autotune_kv_probe_ratio=0.7)).kv_probe_ratio == 0.7
 
 
 def test_idle_limit_learns_the_traffic():
