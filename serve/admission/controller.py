@@ -234,11 +234,6 @@ class Controller:
             return "slo_itl"
         return None
 
-    def _probe_step(self) -> int:
-        """Requests one probe adds to the limit now (before the bounds)."""
-        c = self.config
-        return min(c.max_step, max(1, math.ceil(self.limit * c.increase_ratio)))
-
     def has_headroom(self, s: Signals) -> bool:
         """Latency (and GPU, when known) leave room for more sequences. A window without
         samples (no request has finished yet) does not block a probe; the KV fit still
@@ -265,7 +260,9 @@ class Controller:
         """The limit one probe from the limit now reaches, and why: ``demand`` (the probe's
         step, within the bounds) or ``kv_fit`` (stopped at the KV fit, never below the limit
         now)."""
-        new = self._clamp(self.limit + self._probe_step())
+        c = self.config
+        step = min(c.max_step, max(1, math.ceil(self.limit * c.increase_ratio)))
+        new = self._clamp(self.limit + step)
         fit = self.kv_fit(s)
         if fit is not None and new > fit:
             return max(self.limit, fit), "kv_fit"

@@ -82,7 +82,6 @@ class PrefillCosts:
         return self.token_s * tokens + self.image_token_s * image_tokens
 
 
-
 class PrefillBacklog:
     """Predicted prefill seconds of the admitted requests without a first token.
 
