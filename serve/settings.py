@@ -492,7 +492,8 @@ class Settings(BaseSettings):
     )
     autotune_max_step: int = Field(16, ge=1, description="Most requests added per decision.")
     autotune_kv_high_ratio: float = Field(
-        0.95, gt=0, le=1, description="KV-cache usage (0-1) treated as full: decrease."
+        0.95, gt=0, le=1, description="KV-cache usage (0-1) treated as full: decrease while "
+        "requests queue at the gateway."
     )
     autotune_kv_probe_ratio: float = Field(
         0.9, gt=0, le=1,

@@ -5,7 +5,7 @@ holds, and restored on idle to what the recent traffic fits.
 
 - **Decrease** multiplicatively (``limit x decrease_factor``) on any sign of overload
   (:meth:`Controller.overload_reason`): KV-cache usage at or above ``kv_high_ratio`` (vLLM
-  preempts past it), the engine-side TTFT p90 over its target, the p90 of the
+  preempts past it) while requests queue at the gateway, the engine-side TTFT p90 over its target, the p90 of the
   finished requests' mean inter-token latency (TPOT) over the ITL target.
 - **Increase** additively (``max(1, ceil(limit x increase_ratio))``, at most ``max_step``)
   only when the limit is what binds (in flight >= limit), requests are queued at the gateway,
@@ -223,10 +223,17 @@ class Controller:
 
     def overload_reason(self, s: Signals) -> str | None:
         """Why the engine is overloaded now (``kv_cache``, ``slo_ttft``, ``slo_itl``), or None.
-        A preemption is no sign of its own: it follows the KV-cache usage the ``kv_cache`` cut
-        reads, and a cut on it as well earned less than 2 % (the ablation table)."""
+
+        The KV-cache cut needs requests queued at the gateway as well as the usage at
+        ``kv_high_ratio``: with none queued, the limit holds nothing back, and what fills the
+        cache is the growth of the requests in flight, which no cut undoes. vLLM preempts the
+        newest of them and recomputes it when blocks free; a cut there only refuses the next
+        arrivals, which an engine at its capacity, not past it, would have served (the
+        simulator's gpu-like T4, docs/admission.md). A preemption is no sign of its own: it
+        follows the KV-cache usage the ``kv_cache`` cut reads, and a cut on it as well earned
+        less than 2 % (the ablation table)."""
         c = self.config
-        if s.kv_cache_usage >= c.kv_high_ratio and c.on("kv_cache_cut"):
+        if s.kv_cache_usage >= c.kv_high_ratio and s.pending > 0 and c.on("kv_cache_cut"):
             return "kv_cache"
         if s.ttft_p90_s is not None and s.ttft_p90_s > c.ttft_target_s:
             return "slo_ttft"

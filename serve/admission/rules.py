@@ -19,7 +19,8 @@ from __future__ import annotations
 
 #: Rule name -> what it does (one line, for the ablation table).
 RULES: dict[str, str] = {
-    "kv_cache_cut": "KV-cache usage at or over kv_high_ratio cuts the limit",
+    "kv_cache_cut": "KV-cache usage at or over kv_high_ratio cuts the limit while requests "
+                    "queue at the gateway",
     "slo_shed": "a request whose expected queue wait exceeds the TTFT target is refused at once",
     "queue_deadline": "a queued request of a tenant alone or over its share is refused once "
                       "less of the TTFT target is left than the recent time from admission "

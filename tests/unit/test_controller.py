@@ -59,6 +59,19 @@ def test_decrease_on_a_full_kv_cache_then_probe_again():
     assert limits == [30, 22, 16]
 
 
+def test_full_kv_cache_cuts_only_with_requests_queued():
+    """With nothing queued at the gateway the limit holds nothing back: what fills the cache is
+    the growth of the requests in flight, which vLLM absorbs by preempting the newest; a cut
+    would only refuse the next arrivals (rule ``kv_cache_cut``, its queue condition)."""
+    c = Controller(CFG, limit=40)
+    d = c.step(busy(0, 40, pending=0, kv_cache_usage=0.99, preemptions=2))
+    assert (d.direction, d.reason, d.new_limit) == ("hold", "steady", 40)
+    d = c.step(busy(2, 40, pending=1, kv_cache_usage=0.99))
+    assert (d.direction, d.reason, d.new_limit) == ("down", "kv_cache", 30)
+    # A latency breach still cuts with nothing queued.
+    assert c.step(busy(4, 30, pending=0, ttft_p90_s=1.5)).reason == "slo_ttft"
+
+
 def test_decrease_on_slo_breach_ttft_and_itl_and_kv():
     c = Controller(CFG, limit=32)
     assert c.step(busy(0, 32, ttft_p90_s=1.2)).reason == "slo_ttft"

@@ -127,13 +127,17 @@ def test_request_larger_than_the_kv_cache_is_refused():
         Simulation(long_trace(), "static", 4, tiny)
 
 
-def test_preemption_makes_the_auto_limit_go_down():
+def test_a_full_kv_cache_makes_the_auto_limit_go_down():
+    """Past what the cache holds, the limit comes down: by the KV cut where the limit binds
+    and requests queue at the gateway (a start under the cache's capacity), by the TTFT cut
+    where it never bound (a start far over it: the cut waits for a queue, vLLM's preemption
+    absorbs the growth until the first tokens come late)."""
     trace = long_trace(rate=4.0, seconds=60.0)
-    tight = replace(SETUP, engine=replace(GPU_LIKE, num_gpu_blocks=500), start_limit=64)
-    run = simulate(trace, "auto", None, tight)
-    reasons = {d.reason for d in run.decisions if d.direction == "down"}
-    assert "kv_cache" in reasons
-    assert min(limit for _, limit in run.limits) < 64
+    for start, reason in ((16, "kv_cache"), (64, "slo_ttft")):
+        tight = replace(SETUP, engine=replace(GPU_LIKE, num_gpu_blocks=500), start_limit=start)
+        run = simulate(trace, "auto", None, tight)
+        assert reason in {d.reason for d in run.decisions if d.direction == "down"}
+        assert min(limit for _, limit in run.limits) < start
 
 
 def test_auto_goodput_at_least_best_static_on_phase_trace():
