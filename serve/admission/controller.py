@@ -5,8 +5,9 @@ holds, and restored on idle to what the recent traffic fits.
 
 - **Decrease** multiplicatively (``limit x decrease_factor``) on any sign of overload
   (:meth:`Controller.overload_reason`): KV-cache usage at or above ``kv_high_ratio`` (vLLM
-  preempts past it) while requests queue at the gateway, the engine-side TTFT p90 over its target, the p90 of the
-  finished requests' mean inter-token latency (TPOT) over the ITL target.
+  preempts past it) while requests queue at the gateway, the engine-side TTFT p90 over its
+  target, the p90 of the finished requests' mean inter-token latency (TPOT) over the ITL
+  target.
 - **Increase** additively (``max(1, ceil(limit x increase_ratio))``, at most ``max_step``)
   only when the limit is what binds (in flight >= limit), requests are queued at the gateway,
   and both latencies are below ``headroom`` x target (and GPU utilization, when known, is not
