@@ -385,7 +385,8 @@ class SimGate:
                  on_drop: Callable[[RequestResult, str], None],
                  ceiling: int | None = None, engine_queue: int = 0,
                  burst_window_s: float = 2.0, ablate: frozenset[str] = frozenset(),
-                 weights: dict[str, float] | None = None, step_tokens: int = 0) -> None:
+                 weights: dict[str, float] | None = None, step_tokens: int = 0,
+                 itl_target_s: float | None = None) -> None:
         self.slots = SlotCounter(limit, clock=clock, on_free=self._wake, ceiling=ceiling,
                                  engine_queue=engine_queue, engine_queue_wait_s=shed_ttft_s,
                                  burst_window_s=burst_window_s, ablate=ablate)
@@ -393,7 +394,8 @@ class SimGate:
         self.max_queue_wait_s = max_queue_wait_s
         self.clock = clock
         self.queue: FairQueue[RequestResult] = FairQueue(ablate)
-        self.backlog = PrefillBacklog(shed_ttft_s, step_tokens, ablate=ablate)
+        self.backlog = PrefillBacklog(shed_ttft_s, step_tokens, ablate=ablate,
+                                      itl_target_s=itl_target_s, clock=clock)
         self.weights = weights or {}
         self.shed_ttft_s = shed_ttft_s
         self.on_admit = on_admit
@@ -434,7 +436,8 @@ class SimGate:
         req = result.request
         tokens, tenant = req.prompt_tokens, req.tenant
         cost = self.backlog.cost(tokens, req.image_tokens)
-        if not self.queue and self.backlog.admits(cost) and self.slots.admits(tokens):
+        if not self.queue and self.backlog.admits_at(cost, self.slots) and \
+                self.slots.admits(tokens):
             self.queue.started(tenant)
             self._enter(result, self.slots.take(result.arrival_s, tokens), tenant, cost)
             return
@@ -522,7 +525,7 @@ class SimGate:
                 del self._deadlines[id(result)]
                 self.on_drop(result, SLO_REJECT)
                 continue
-            if not self.backlog.admits(cost) or \
+            if not self.backlog.admits_at(cost, self.slots) or \
                     not self.slots.admits(req.prompt_tokens, result.arrival_s):
                 break
             self.queue.pop(tenant)
@@ -624,7 +627,8 @@ class Simulation:
                             burst_window_s=burst_window(setup.slo.ttft_s, setup.interval_s),
                             ablate=setup.controller.ablate if mode == "auto" else frozenset(),
                             weights=dict(trace.weights),
-                            step_tokens=engine.max_num_batched_tokens)
+                            step_tokens=engine.max_num_batched_tokens,
+                            itl_target_s=setup.slo.itl_s)
         self.gate.backlog.costs = probe_costs(engine)
         self.feed = EngineStatsFeed(window_s=setup.window_s, clock=self.clock,
                                     step_tokens=engine.max_num_batched_tokens,

@@ -15,9 +15,7 @@ Counting is split from queueing: :class:`~serve.admission.slots.SlotCounter` (sy
 limit, in-flight count, busy time, completion rate; :mod:`serve.admission.slots`) is shared
 by :class:`AdmissionLimiter` (the server's asyncio FIFO, here) and the simulator's gate
 (``bench/sim.py``), so the benchmark the autotuner is judged by counts exactly as the
-server does.
-
-Pure Python (standard library): no engine, no HTTP, so it is testable in isolation.
+server does. Pure Python (standard library): no engine, no HTTP, testable in isolation.
 """
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
 SLO = "slo"
 REJECT_REASONS = (QUEUE_FULL, QUEUE_TIMEOUT, SLO)
-#: Reason of the queued requests refused when the server drains or loses its engine (HTTP 503,
-#: not 429).
+#: Reason of the queued requests refused on a drain or a lost engine (HTTP 503, not 429).
 UNAVAILABLE = "unavailable"
 
 
@@ -95,7 +92,7 @@ class AdmissionLimiter:
             ``queue_timeout``.
         rate_window_s, clock, ceiling, engine_queue, engine_queue_wait_s, burst_window_s:
             as :class:`SlotCounter`.
-        ttft_target_s, step_tokens: as :class:`~serve.admission.prefill.PrefillBacklog`
+        ttft_target_s, step_tokens, itl_target_s: as :class:`PrefillBacklog`
             (:attr:`backlog`: inactive until its costs are measured).
     """
 
@@ -105,11 +102,12 @@ class AdmissionLimiter:
                  ceiling: int | None = None, engine_queue: int = 0,
                  engine_queue_wait_s: float | None = None,
                  burst_window_s: float = 2.0, ttft_target_s: float | None = None,
-                 step_tokens: int = 0) -> None:
+                 step_tokens: int = 0, itl_target_s: float | None = None) -> None:
         self.slots = SlotCounter(limit, rate_window_s, clock, ceiling, engine_queue,
                                  on_free=self._wake, engine_queue_wait_s=engine_queue_wait_s,
                                  burst_window_s=burst_window_s)
-        self.backlog = PrefillBacklog(ttft_target_s, step_tokens)
+        self.backlog = PrefillBacklog(ttft_target_s, step_tokens, itl_target_s=itl_target_s,
+                                      clock=clock)
         self.max_queue = max_queue
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
@@ -185,7 +183,7 @@ class AdmissionLimiter:
         plain call for the common case. None: nothing happened (the arrival is not
         counted); call :meth:`acquire`."""
         cost = self.backlog.cost(tokens, image_tokens)
-        if self._closed or self.queue or not self.backlog.admits(cost) or \
+        if self._closed or self.queue or not self.backlog.admits_at(cost, self.slots) or \
                 not self.slots.admits(tokens):
             return None
         start = self._clock()
@@ -229,7 +227,8 @@ class AdmissionLimiter:
         if self._closed:
             raise Rejected(UNAVAILABLE, 1, self._closed_message)
         cost = self.backlog.cost(tokens, image_tokens)
-        if not self.pending and self.backlog.admits(cost) and self.slots.admits(tokens):
+        if not self.pending and self.backlog.admits_at(cost, self.slots) and \
+                self.slots.admits(tokens):
             self.queue.started(tenant, user)
             return self._granted(self.slots.take(start, tokens), tenant, user, cost, tokens)
         who = _who(tenant)
@@ -392,7 +391,8 @@ class AdmissionLimiter:
                 self.queue.pop(tenant)
                 fut.set_exception(self._too_late(tenant, arrived_at))
                 continue
-            if not self.backlog.admits(cost) or not self.slots.admits(tokens, arrived_at):
+            if not self.backlog.admits_at(cost, self.slots) or \
+                    not self.slots.admits(tokens, arrived_at):
                 break
             self.queue.pop(tenant)
             fut.set_result(self._granted(

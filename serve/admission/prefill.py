@@ -8,8 +8,13 @@ times the prefill of 32 short texts on a CPU engine; counting their predicted pr
 seconds can. In mode ``auto`` the limiter (``serve.admission.limiter``) therefore also
 
 1. admits a request only while the backlog plus its own prefill stays within the TTFT
-   target (:meth:`PrefillBacklog.admits`; an empty backlog admits anything), and
-2. while one tenant is active, refuses at once (reason ``slo``) a request that could meet the
+   target (:meth:`PrefillBacklog.admits`; an empty backlog admits anything),
+2. while streams decode, admits a request only while the prefill admitted over the last
+   :data:`DUTY_WINDOW_TTFTS` TTFT targets plus its own stays within the share of that time the
+   ITL target leaves to prefill (:meth:`PrefillBacklog.duty_ratio`): a step that prefills
+   (an image encode above all) delays every decoding stream's next token, so a stream's mean
+   inter-token latency is about ``decode step / (1 - prefill share)``, and
+3. while one tenant is active, refuses at once (reason ``slo``) a request that could meet the
    target on an idle engine but cannot behind the work ahead of it
    (:meth:`PrefillBacklog.hopeless`): a refusal now lets the client retry or go elsewhere,
    where admitting it would make it late and delay every request behind it.
@@ -29,8 +34,13 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from serve.admission.slots import SlotCounter
 
 #: The prediction's costs are scaled by this factor. A prefill on a busy engine shares its
 #: steps with the decodes and the other prefills (the per-sequence cost the probes on an idle
@@ -39,6 +49,13 @@ from dataclasses import asdict, dataclass
 #: steady traffic an unlimited engine serves in time. Chosen on the simulator's suite
 #: (``python -m bench.simjudge``, every profile, seeds 0-9; docs/admission.md).
 COST_MARGIN = 1.3
+
+#: The window of the prefill share (:meth:`PrefillBacklog.admits`), in TTFT targets: one
+#: request the backlog bound admits (at most a TTFT target of prefill) fits an otherwise
+#: empty window at any share over one half, and a change of traffic shows within seconds.
+#: Chosen on the simulator's suite (``python -m bench.simjudge``, every profile, seeds 0-9;
+#: docs/admission.md): one target cost gpu-like T3, five lost the cpu T5 gain.
+DUTY_WINDOW_TTFTS = 2.0
 
 
 @dataclass(frozen=True)
@@ -94,16 +111,27 @@ class PrefillBacklog:
             ``max_num_batched_tokens``; 0: unknown, the steps are not counted).
         margin: the factor on every predicted cost (:data:`COST_MARGIN`).
         ablate: rules switched off (``serve.admission.rules``: ``prefill_backlog``, the
-            bound; ``prefill_shed``, the refusal of a hopeless request).
+            bound; ``prefill_shed``, the refusal of a hopeless request; ``prefill_duty``,
+            the prefill share while streams decode).
+        itl_target_s: the ITL (TPOT) target, seconds (None: no prefill share bound).
+        clock: monotonic clock, seconds (the prefill share's window).
     """
 
     def __init__(self, ttft_target_s: float | None, step_tokens: int = 0,
-                 margin: float = COST_MARGIN, ablate: frozenset[str] = frozenset()) -> None:
+                 margin: float = COST_MARGIN, ablate: frozenset[str] = frozenset(),
+                 itl_target_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.ttft_target_s = ttft_target_s
+        self.itl_target_s = itl_target_s
         self.step_tokens = step_tokens
         self.margin = margin
         self.bound = "prefill_backlog" not in ablate
         self.shed = "prefill_shed" not in ablate
+        self.duty = "prefill_duty" not in ablate and itl_target_s is not None
+        self._clock = clock
+        #: Predicted prefill seconds admitted within the share's window: (clock, seconds).
+        self._admitted: collections.deque[tuple[float, float]] = collections.deque()
+        self.admitted_s = 0.0
         self.costs: PrefillCosts | None = None
         self.active = True
         #: Admitted requests in admission order: key -> (seconds, prompt tokens).
@@ -126,12 +154,54 @@ class PrefillBacklog:
             return 0.0
         return self.margin * self.costs.prefill_s(tokens, image_tokens)
 
-    def admits(self, cost_s: float) -> bool:
+    def admits(self, cost_s: float, streams: bool = False) -> bool:
         """Whether a request predicted to prefill in ``cost_s`` seconds may enter the
-        engine now: the backlog is empty, or it and the request fit the TTFT target."""
-        if not self.on or not self.bound or not self._entries:
+        engine now: the backlog is empty, or it and the request fit the TTFT target; and,
+        where ``streams`` (admitted requests are decoding; the caller leaves out a burst at
+        an idle engine, whose own streams the burst's prefill delays once), the prefill
+        admitted within the last :attr:`duty_window_s` plus the request's stays within
+        :meth:`duty_ratio` of that window (an empty window admits anything)."""
+        if not self.on or not self.bound:
             return True
-        return self.backlog_s + cost_s <= self.ttft_target_s
+        if self._entries and self.backlog_s + cost_s > self.ttft_target_s:
+            return False
+        if not streams or not self.duty:
+            return True
+        self._forget_old()
+        return not self._admitted or \
+            self.admitted_s + cost_s <= self.duty_ratio() * self.duty_window_s
+
+    def admits_at(self, cost_s: float, slots: SlotCounter) -> bool:
+        """:meth:`admits` at the state of ``slots``: streams decode when more requests are in
+        flight than wait for a first token and no burst at an idle engine is open."""
+        return self.admits(cost_s, slots.in_flight > len(self._entries)
+                           and slots.bursts.current() is None)
+
+    @property
+    def duty_window_s(self) -> float:
+        """Seconds over which the prefill share is counted (:data:`DUTY_WINDOW_TTFTS`)."""
+        return DUTY_WINDOW_TTFTS * (self.ttft_target_s or 0.0)
+
+    def duty_ratio(self) -> float:
+        """The share of engine time prefill may take while streams decode (0-1):
+        ``1 - step_s / itl_target``. A stream gets a token per engine step, and the steps
+        that prefill take the rest of the time, so its mean inter-token latency is about
+        ``step_s / (1 - share)``; at this share it is the ITL target (the decode-prefill
+        interference of Sarathi-Serve, Agrawal et al., OSDI 2024, taken over a window instead
+        of per step: an image encode cannot be chunked). ``step_s`` is the engine step's
+        fixed cost measured at boot (:class:`PrefillCosts`); 1 while it is unknown."""
+        if self.costs is None or not self.itl_target_s:
+            return 1.0
+        return max(0.0, 1.0 - self.costs.step_s / self.itl_target_s)
+
+    def _forget_old(self) -> None:
+        """Drop the admissions older than the window from the prefill share."""
+        cutoff = self._clock() - self.duty_window_s
+        admitted = self._admitted
+        while admitted and admitted[0][0] < cutoff:
+            self.admitted_s -= admitted.popleft()[1]
+        if not admitted:  # no float drift left over once empty
+            self.admitted_s = 0.0
 
     def hopeless(self, waited_s: float, cost_s: float, tokens: int,
                  ahead_s: float = 0.0, ahead_tokens: int = 0) -> bool:
@@ -177,6 +247,10 @@ class PrefillBacklog:
         self._entries[key] = (cost_s, tokens)
         self.backlog_s += cost_s
         self.backlog_tokens += tokens
+        if self.duty:
+            self._forget_old()
+            self._admitted.append((self._clock(), cost_s))
+            self.admitted_s += cost_s
 
     def first_tokens(self, n: int) -> bool:
         """The engine produced ``n`` first tokens: the ``n`` oldest requests leave the
@@ -204,4 +278,7 @@ class PrefillBacklog:
         """For ``GET /admin/autotuner``: the costs, the margin, the backlog now."""
         return {"costs": None if self.costs is None else asdict(self.costs),
                 "margin": self.margin, "active": self.on, "requests": len(self._entries),
-                "backlog_s": round(self.backlog_s, 4), "backlog_tokens": self.backlog_tokens}
+                "backlog_s": round(self.backlog_s, 4), "backlog_tokens": self.backlog_tokens,
+                "duty_ratio": round(self.duty_ratio(), 4) if self.duty else None,
+                "duty_window_s": self.duty_window_s,
+                "admitted_s": round(self.admitted_s, 4)}

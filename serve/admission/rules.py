@@ -44,6 +44,9 @@ RULES: dict[str, str] = {
     "prefill_shed": "in auto, while one tenant is active, a request that could meet the TTFT "
                     "target alone but not behind the prefill backlog and the queue ahead is "
                     "refused at once",
+    "prefill_duty": "in auto, while streams decode (no burst at an idle engine open), the "
+                    "prefill admitted over the last 2 TTFT targets stays within 1 - step / "
+                    "ITL target of that time",
     "fair_below_share": "a tenant below its share of the slots is not shed for the engine "
                         "queue others filled",
 }

@@ -45,7 +45,7 @@ class Admission:
                                    engine_queue_wait_s=s.slo_ttft_s,
                                    burst_window_s=burst_window_s(
                                        s.slo_ttft_s, s.autotune_interval_s),
-                                   ttft_target_s=s.slo_ttft_s,
+                                   ttft_target_s=s.slo_ttft_s, itl_target_s=s.slo_itl_s,
                                    step_tokens=s.max_num_batched_tokens or 0)
         feed = EngineStatsFeed(window_s=s.autotune_window_s, step_tokens=s.max_num_batched_tokens,
                                ttft_target_s=s.slo_ttft_s)

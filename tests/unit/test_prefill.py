@@ -109,6 +109,35 @@ def test_each_rule_can_be_switched_off():
     assert not b.admits(1.0) and not b.hopeless(0.0, 1.0, 1000)
 
 
+def test_while_streams_decode_prefill_keeps_to_the_share_the_itl_target_leaves():
+    """A stream gets a token per step; the steps that prefill take the rest of the time, so
+    the prefill admitted over the window stays within 1 - step / ITL target of it."""
+    clock = FakeClock()
+    b = backlog(itl_target_s=0.05, clock=clock)  # step 10 ms: a share of 0.8
+    assert b.duty_ratio() == pytest.approx(0.8) and b.duty_window_s == 4.0
+    assert b.admits(5.0, streams=True)  # an empty window admits anything
+    b.add("a", 1.5, 1500)
+    b.first_tokens(1)
+    clock.t += 1.0
+    b.add("b", 1.5, 1500)
+    b.first_tokens(1)  # the backlog is empty; 3.0 s admitted in the window of 3.2 s
+    assert b.admits(0.2, streams=True) and not b.admits(0.3, streams=True)
+    assert b.admits(0.3)  # no stream decoding: only the backlog bound
+    clock.t += 3.5  # "a" left the window
+    assert b.admitted_s == pytest.approx(3.0) and b.admits(1.7, streams=True)
+    assert not b.admits(1.8, streams=True)
+    assert b.state()["duty_ratio"] == pytest.approx(0.8)
+
+
+def test_the_prefill_share_is_off_without_an_itl_target_or_when_ablated():
+    for b in (backlog(), backlog(itl_target_s=0.05, ablate=frozenset({"prefill_duty"}))):
+        b.add("a", 1.9, 1900)
+        b.first_tokens(1)
+        assert b.admits(1.9, streams=True) and b.state()["duty_ratio"] is None
+    b = PrefillBacklog(2.0, itl_target_s=0.05)  # costs unknown: the share is the whole time
+    assert b.duty_ratio() == 1.0
+
+
 # --- the limiter ---------------------------------------------------------------------------
 def limiter(clock) -> AdmissionLimiter:
     lim = AdmissionLimiter(limit=64, max_queue=100, max_queue_wait_s=30, clock=clock,
@@ -202,17 +231,44 @@ async def test_outside_auto_the_backlog_neither_holds_nor_refuses():
         slot.release()
 
 
+def test_the_limiter_counts_the_prefill_share_only_past_a_burst_and_while_streams_decode():
+    clock = FakeClock()
+    lim = AdmissionLimiter(limit=64, max_queue=100, max_queue_wait_s=30, clock=clock,
+                           ttft_target_s=2.0, step_tokens=4096, itl_target_s=0.05)
+    lim.backlog.costs = PrefillCosts(step_s=0.01, token_s=0.001, image_token_s=0.0)
+    lim.backlog.margin = 1.0  # a share of 0.8 of 4 s: 3.2 s of prefill
+    slots = []
+    for _ in range(2):  # a burst at an idle engine: its own streams are not protected
+        slots.append(lim.try_acquire(900))
+        lim.first_tokens(1)
+    assert lim.slots.bursts.current() is not None and all(slots)
+    clock.t += 2.5  # the burst closed; two streams decode
+    slots.append(lim.try_acquire(900))  # 2.7 s of prefill in the window
+    lim.first_tokens(1)
+    assert slots[-1] is not None and lim.try_acquire(900) is None  # 3.6 s: over the share
+    for slot in slots:
+        slot.release()
+    assert lim.try_acquire(900) is not None  # no stream decoding: the backlog bound only
+
+
 # --- the simulator's verdict ---------------------------------------------------------------
-def _cpu_t2_goods(ablate: frozenset[str]) -> int:
-    """Good requests of auto on the cpu profile's T2 (bursts of photos and chats), seeds
-    0-2, with the rules ``ablate`` off."""
+def _cpu_goods(ablate: frozenset[str], trace: str = "T2") -> int:
+    """Good requests of auto on the cpu profile's ``trace`` (T2: bursts of photos and chats;
+    T6: the chat mix, photos among it, at twice the capacity), seeds 0-2, with the rules
+    ``ablate`` off."""
     from bench.simjudge import run_cells
 
     return sum(cell.good for seed in (0, 1, 2)
-               for cell in run_cells("cpu", seed, ablate, arms=False, traces=["T2"]))
+               for cell in run_cells("cpu", seed, ablate, arms=False, traces=[trace]))
 
 
 def test_on_the_cpu_profile_the_backlog_serves_more_of_the_bursts_in_time():
-    with_rules = _cpu_t2_goods(frozenset())
-    without = _cpu_t2_goods(frozenset({"prefill_backlog", "prefill_shed"}))
+    with_rules = _cpu_goods(frozenset())
+    without = _cpu_goods(frozenset({"prefill_backlog", "prefill_shed"}))
     assert with_rules >= 1.2 * without, (with_rules, without)
+
+
+def test_on_the_cpu_profile_the_prefill_share_keeps_more_answers_within_the_itl_target():
+    with_rule = _cpu_goods(frozenset(), "T6")
+    without = _cpu_goods(frozenset({"prefill_duty"}), "T6")
+    assert with_rule >= 1.05 * without, (with_rule, without)
