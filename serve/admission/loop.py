@@ -113,7 +113,9 @@ class AutotuneLoop:
         The controller goes back to its start (:meth:`Controller.reset`), the feed and the
         limiter forget what the traffic taught (:meth:`EngineStatsFeed.forget`,
         :meth:`~serve.admission.slots.SlotCounter.forget`: an arm would otherwise shed a
-        burst by the drain rate the arm before it measured), the burst budget is dropped.
+        burst by the drain rate the arm before it measured; the prefill share's window,
+        :meth:`~serve.admission.prefill.PrefillBacklog.forget_share`), the burst budget is
+        dropped.
         ``auto``: the autotuner moves the limit from its start; ``static``: the limit is
         ``limit``; ``off``: :data:`OFF_LIMIT` (no gateway limit). Requests in flight keep
         their slots.
@@ -128,6 +130,7 @@ class AutotuneLoop:
         self.controller.reset()
         self.feed.forget()
         self.limiter.slots.forget()
+        self.limiter.backlog.forget_share()
         self.limiter.set_burst_budget(None, None)
         self.limiter.slots.set_probe_room(0)
         self.last_signals = None

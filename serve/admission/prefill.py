@@ -194,6 +194,11 @@ class PrefillBacklog:
             return 1.0
         return max(0.0, 1.0 - self.costs.step_s / self.itl_target_s)
 
+    def forget_share(self) -> None:
+        """Empty the prefill share's window (the benchmark's reset to the boot state)."""
+        self._admitted.clear()
+        self.admitted_s = 0.0
+
     def _forget_old(self) -> None:
         """Drop the admissions older than the window from the prefill share."""
         cutoff = self._clock() - self.duty_window_s

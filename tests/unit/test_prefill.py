@@ -127,6 +127,8 @@ def test_while_streams_decode_prefill_keeps_to_the_share_the_itl_target_leaves()
     assert b.admitted_s == pytest.approx(3.0) and b.admits(1.7, streams=True)
     assert not b.admits(1.8, streams=True)
     assert b.state()["duty_ratio"] == pytest.approx(0.8)
+    b.forget_share()  # the benchmark's reset between arms (AutotuneLoop.set_mode)
+    assert b.admitted_s == 0.0 and b.admits(3.2, streams=True)
 
 
 def test_the_prefill_share_is_off_without_an_itl_target_or_when_ablated():
