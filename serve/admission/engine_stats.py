@@ -46,6 +46,7 @@ class SlidingWindow:
         self.max_samples = max_samples
         self._batches: collections.deque[tuple[float, tuple[float, ...]]] = collections.deque()
         self._count = 0
+        self._total = 0.0
 
     def add(self, value: float) -> None:
         self.extend((value,))
@@ -56,13 +57,32 @@ class SlidingWindow:
             return
         self._batches.append((self._clock(), batch))
         self._count += len(batch)
+        self._total += sum(batch)
         while self._count > self.max_samples and len(self._batches) > 1:
-            self._count -= len(self._batches.popleft()[1])
+            self._drop_oldest()
+
+    def clear(self) -> None:
+        """Drop every sample."""
+        self._batches.clear()
+        self._count, self._total = 0, 0.0
+
+    def _drop_oldest(self) -> None:
+        batch = self._batches.popleft()[1]
+        self._count -= len(batch)
+        self._total -= sum(batch)
+        if not self._batches:  # no float drift left over once empty
+            self._total = 0.0
 
     def _prune(self) -> None:
         cutoff = self._clock() - self.window_s
         while self._batches and self._batches[0][0] < cutoff:
-            self._count -= len(self._batches.popleft()[1])
+            self._drop_oldest()
+
+    def sum(self) -> float:
+        """Sum of the samples in the window (0 when empty), kept as a running total: O(1)
+        amortised, for a check on the request path."""
+        self._prune()
+        return self._total
 
     def mean(self) -> float | None:
         """Mean of the samples in the window, None when empty."""

@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from serve.admission.engine_stats import SlidingWindow
+
 if TYPE_CHECKING:
     from serve.admission.slots import SlotCounter
 
@@ -128,10 +130,8 @@ class PrefillBacklog:
         self.bound = "prefill_backlog" not in ablate
         self.shed = "prefill_shed" not in ablate
         self.duty = "prefill_duty" not in ablate and itl_target_s is not None
-        self._clock = clock
-        #: Predicted prefill seconds admitted within the share's window: (clock, seconds).
-        self._admitted: collections.deque[tuple[float, float]] = collections.deque()
-        self.admitted_s = 0.0
+        #: Predicted prefill seconds admitted within the share's window, one sample each.
+        self._share = SlidingWindow(DUTY_WINDOW_TTFTS * (ttft_target_s or 0.0), clock)
         self.costs: PrefillCosts | None = None
         self.active = True
         #: Admitted requests in admission order: key -> (seconds, prompt tokens).
@@ -167,9 +167,8 @@ class PrefillBacklog:
             return False
         if not streams or not self.duty:
             return True
-        self._forget_old()
-        return not self._admitted or \
-            self.admitted_s + cost_s <= self.duty_ratio() * self.duty_window_s
+        return not len(self._share) or \
+            self._share.sum() + cost_s <= self.duty_ratio() * self.duty_window_s
 
     def admits_at(self, cost_s: float, slots: SlotCounter) -> bool:
         """:meth:`admits` at the state of ``slots``: streams decode when more requests are in
@@ -180,7 +179,7 @@ class PrefillBacklog:
     @property
     def duty_window_s(self) -> float:
         """Seconds over which the prefill share is counted (:data:`DUTY_WINDOW_TTFTS`)."""
-        return DUTY_WINDOW_TTFTS * (self.ttft_target_s or 0.0)
+        return self._share.window_s
 
     def duty_ratio(self) -> float:
         """The share of engine time prefill may take while streams decode (0-1):
@@ -196,17 +195,12 @@ class PrefillBacklog:
 
     def forget_share(self) -> None:
         """Empty the prefill share's window (the benchmark's reset to the boot state)."""
-        self._admitted.clear()
-        self.admitted_s = 0.0
+        self._share.clear()
 
-    def _forget_old(self) -> None:
-        """Drop the admissions older than the window from the prefill share."""
-        cutoff = self._clock() - self.duty_window_s
-        admitted = self._admitted
-        while admitted and admitted[0][0] < cutoff:
-            self.admitted_s -= admitted.popleft()[1]
-        if not admitted:  # no float drift left over once empty
-            self.admitted_s = 0.0
+    @property
+    def admitted_s(self) -> float:
+        """Predicted prefill seconds admitted within the share's window."""
+        return self._share.sum()
 
     def hopeless(self, waited_s: float, cost_s: float, tokens: int,
                  ahead_s: float = 0.0, ahead_tokens: int = 0) -> bool:
@@ -253,9 +247,7 @@ class PrefillBacklog:
         self.backlog_s += cost_s
         self.backlog_tokens += tokens
         if self.duty:
-            self._forget_old()
-            self._admitted.append((self._clock(), cost_s))
-            self.admitted_s += cost_s
+            self._share.add(cost_s)
 
     def first_tokens(self, n: int) -> bool:
         """The engine produced ``n`` first tokens: the ``n`` oldest requests leave the

@@ -176,13 +176,18 @@ def test_sliding_window_keeps_steps_whole_and_bounded():
     window.extend([0.4, 0.5])
     window.extend([])  # a step without samples adds nothing
     assert len(window) == 5 and window.percentile(100) == 0.5 and window.percentile(1) == 0.1
+    assert window.sum() == pytest.approx(1.5)
     window.add(0.9)
     window.add(1.0)  # 7 > max_samples: the oldest step goes, whole
     assert len(window) == 4 and window.percentile(1) == 0.4
+    assert window.sum() == pytest.approx(2.8)
     clock.t += 5.5  # the step stamped at t=105 is still inside 10 s, none older is left
     assert len(window) == 4
     clock.t += 10
-    assert len(window) == 0 and window.percentile(90) is None
+    assert len(window) == 0 and window.percentile(90) is None and window.sum() == 0.0
+    window.extend([0.25, 0.5])
+    window.clear()
+    assert len(window) == 0 and window.sum() == 0.0 and window.mean() is None
 
 
 def test_tpot_window_holds_finished_requests_mean_itl():
