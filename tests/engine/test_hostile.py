@@ -311,7 +311,14 @@ def test_completions_prompt_is_raw_text_without_image_slots(hostile_server):
     assert_healthy(srv)
 
 
-# --- 40 hostile requests alongside 10 valid image streams -----------------------------------------
+# --- 40 hostile requests alongside 6 valid image streams ------------------------------------------
+#: Valid photo streams sent with the flood. Each photo predicts about 1 s of prefill on this
+#: CPU (its ~313 image tokens at the boot probe's cost, with the prediction's margin), so ten
+#: would sit at the CPU's 10-s TTFT target, where the prefill shed may rightly refuse the
+#: last one whatever the flood does; six stay well inside it.
+VALID_STREAMS = 6
+
+
 async def test_hostile_flood_does_not_hurt_valid_streams(hostile_server, images):
     srv = hostile_server
     pids_before = engine_pids(srv)
@@ -340,7 +347,7 @@ async def test_hostile_flood_does_not_hurt_valid_streams(hostile_server, images)
         events, done = [], False
         async with client.stream("POST", f"{srv.base_url}/v1/chat/completions", json=body,
                                  headers=AUTH) as r:
-            assert r.status_code == 200
+            assert r.status_code == 200, (i, r.status_code, (await r.aread())[:300])
             async for line in r.aiter_lines():
                 event = data_event(line)
                 done = done or event == DONE
@@ -363,11 +370,11 @@ async def test_hostile_flood_does_not_hurt_valid_streams(hostile_server, images)
         return r.status_code
 
     async with httpx.AsyncClient(timeout=300) as client:
-        jobs = [valid(client, i) for i in range(10)]
+        jobs = [valid(client, i) for i in range(VALID_STREAMS)]
         jobs += [attack(client, k, p) for k, p in hostile]
         results = await asyncio.gather(*jobs)
-    assert results[:10] == [True] * 10
-    assert all(400 <= s < 500 for s in results[10:])
+    assert results[:VALID_STREAMS] == [True] * VALID_STREAMS
+    assert all(400 <= s < 500 for s in results[VALID_STREAMS:])
     assert engine_pids(srv) == pids_before  # the engine never restarted
-    assert srv.metric("vllm:request_success_total") - success_before >= 10
+    assert srv.metric("vllm:request_success_total") - success_before >= VALID_STREAMS
     assert_healthy(srv)
