@@ -6,8 +6,8 @@ Issue 32 asks auto against each fixed limit for a lower 90 % bound >= 0.85 on on
 >= 0.90 pooled over three runs. Pooled, each episode of each run is one pair of the same
 paired bootstrap as one run's (:func:`bench.witness.judge`): the runs' days differ, and the
 pairs' spread carries that. Runs pool when their commits hold the same code
-(:func:`bench.process.same_code`: results and Markdown prose aside); a dirty checkout's run is
-recorded and never pooled.
+(:func:`bench.process.same_code`: results and Markdown prose aside); a dirty checkout's run,
+and a run whose A/A control left its band, is recorded and never pooled.
 
 Standard library only (with the bench package).
 """
@@ -50,8 +50,13 @@ def read(path: Path) -> list[dict]:
 
 
 def runs_of(records: Sequence[Mapping], commit: str, root: Path = ROOT) -> list[Mapping]:
-    """The clean runs of the code at ``commit`` (:func:`bench.process.same_code`)."""
-    return [r for r in records if not r["dirty"] and same_code(r["commit"], commit, root)]
+    """The clean runs of the code at ``commit`` (:func:`bench.process.same_code`) whose own
+    A/A control held (:func:`bench.witness.judge` is not ``unresolved``): a run whose two
+    identical arms disagree beyond the band measured a machine that did not hold still (a
+    slow spell: its traffic, sized for the machine's usual speed, overloads every arm), and
+    its pairs would widen or bias the pool as they do not judge on their own."""
+    return [r for r in records if not r["dirty"] and same_code(r["commit"], commit, root)
+            and judge(r["good"])[1] != "unresolved"]
 
 
 def merged(runs: Sequence[Mapping]) -> dict[str, Mapping[str, int]]:

@@ -35,10 +35,15 @@ def test_a_run_is_appended_and_read_back(tmp_path):
         wl.read(path)
 
 
-def test_only_clean_runs_of_the_same_code_pool(tmp_path):
-    records = [{"commit": COMMIT, "dirty": False, "good": {}},
-               {"commit": COMMIT, "dirty": True, "good": {}},
-               {"commit": "b" * 40, "dirty": False, "good": {}}]  # unknown to git: other code
+def test_only_clean_runs_of_the_same_code_whose_aa_held_pool(tmp_path):
+    slow = run_good(88)
+    for arms in slow.values():  # the A/A arm at 0.75 of L16 everywhere: outside the band
+        arms["aa"] = 66
+    assert judge(slow)[1] == "unresolved"
+    records = [{"commit": COMMIT, "dirty": False, "good": run_good(88)},
+               {"commit": COMMIT, "dirty": True, "good": run_good(88)},
+               {"commit": COMMIT, "dirty": False, "good": slow},
+               {"commit": "b" * 40, "dirty": False, "good": run_good(88)}]  # other code
     assert wl.runs_of(records, COMMIT, tmp_path) == records[:1]
 
 
