@@ -1,13 +1,17 @@
 """The real engine as the autotuner's witness: paired episodes on one warm server.
 
 ``python -m bench.witness [--seed 0] [--episodes T2/0,T6/0,...] [--arms auto,L8,L16,off,aa]
-[--sim bench/out/simjudge.json] [--profile FILE] [--from witness.json] [--no-plain]`` (~14 min
-for all 10 episodes and 5 arms here, then ~1 min for the sanity arm)
+[--sim bench/out/simjudge.json] [--profile FILE] [--from witness.json] [--no-plain]
+[--fixed-capacity]`` (~14 min for all 10 episodes and 5 arms here, then ~1 min for the sanity
+arm)
 
 One ``python -m serve`` on the tiny model (``--bench-admin``, vLLM's
 ``--enable-logging-iteration-details``, the CPU suite's SLO and time constants) stays up for
-the whole run; after the replays the simulator's cpu profile is fitted to the engine steps it
-logged and checked against the fixed-limit arms (:func:`calibration`). The CPU suite
+the whole run. Its chat throughput is measured first (:func:`measure_chat_rps`) and the
+episodes sized by it (:func:`sized`), so that their loads are the suite's fractions of this
+server's capacity, whatever the host's speed that day; after the replays the simulator's cpu
+profile is fitted to the engine steps it logged and checked against the fixed-limit arms
+(:func:`calibration`). The CPU suite
 (:func:`bench.trace.cpu_suite`) is cut into short independent **episodes** (:func:`episodes`):
 each of T2's bursts, each of T5's phases, 10-s windows of T6 (chat at 2x capacity) and of T1
 (60 %). Before each arm of an episode the switch (``POST /admin/bench/admission``) sets the
@@ -55,7 +59,7 @@ from pathlib import Path
 from bench import calibrate
 from bench.sim import EngineConfig, cpu_profile
 from bench.stats import bootstrap_interval
-from bench.trace import CPU_CAPACITY, Capacity, Trace, cpu_suite
+from bench.trace import CPU_CAPACITY, Capacity, Trace, backlog_trace, chat_phase, cpu_suite
 
 #: Arm name -> ``/admin/bench/admission`` body.
 ARMS: dict[str, dict] = {
@@ -226,6 +230,52 @@ def warm_up(base_url: str, trace: Trace, model: str, body_salt: str, drain_s: fl
 
     bodies = build_bodies(trace, model, salt=body_salt)
     asyncio.run(replay_http(trace, base_url, bodies, drain_s=drain_s))
+
+
+def measure_chat_rps(base_url: str, seed: int, capacity: Capacity = CPU_CAPACITY,
+                     n: int | None = None, drain_s: float = 600.0) -> float:
+    """The server's saturated chat throughput now, finished requests/s: ``n`` chat requests
+    (default ``4 x capacity.ceiling``, the backlog :data:`bench.trace.CPU_CAPACITY` was
+    measured on, :func:`bench.autotune.cpu_capacity_benchmark`) arrive at once with no
+    gateway limit (the ``off`` arm: vLLM's own ``max_num_seqs`` batches them); throughput =
+    finished / the last finish time, after an unscored replay of ``capacity.ceiling`` of
+    them (the engine's warm-up). Its own salt: no arm meets its prompts in a cache.
+    Raises RuntimeError when no request finished."""
+    import httpx
+
+    from bench.cpu_engine import build_bodies, replay_http
+    from bench.workloads import served_model
+
+    model = served_model(base_url)
+    with httpx.Client(base_url=base_url, timeout=30) as c:
+        c.post("/admin/bench/admission", json=ARMS["off"]).raise_for_status()
+    phase = chat_phase("chat", 1.0, 1.0, capacity)
+    warm_up(base_url, backlog_trace(phase, capacity.ceiling, seed + 1), model,
+            salt("speed-warm-up", seed), drain_s)
+    asyncio.run(drain(base_url))
+    trace = backlog_trace(phase, n or 4 * capacity.ceiling, seed)
+    replay = asyncio.run(replay_http(trace, base_url, build_bodies(trace, model,
+                                                                   salt=salt("speed", seed)),
+                                     drain_s=drain_s))
+    asyncio.run(drain(base_url))
+    done = [r.finish_s for r in replay.results if r.finish_s is not None]
+    if not done:
+        raise RuntimeError("no request of the speed probe finished")
+    return len(done) / max(done)
+
+
+def sized(chat_rps: float, capacity: Capacity = CPU_CAPACITY) -> Capacity:
+    """``capacity`` at the speed the server showed (``chat_rps``, :func:`measure_chat_rps`):
+    every mix's rate scaled by ``chat_rps / capacity.chat_rps``. The suite's rates are
+    fractions of capacity (T1 at 60 %, T6 at 2x), and this machine's speed moves by up to
+    ~1.5x from day to day, more between hosts: the episodes load the engine the same on a
+    slow day as on a fast one, as :func:`bench.trace.cpu_suite` documents.
+    Raises ValueError unless ``chat_rps`` > 0."""
+    if not chat_rps > 0:
+        raise ValueError(f"chat_rps must be > 0, got {chat_rps!r}")
+    scale = chat_rps / capacity.chat_rps
+    return replace(capacity, chat_rps=chat_rps, vision_rps=capacity.vision_rps * scale,
+                   long_rps=capacity.long_rps * scale)
 
 
 def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
@@ -442,6 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "print its verdicts (with --sim, the combined line) without replaying")
     p.add_argument("--no-plain", action="store_true", help="skip the sanity arm (plain "
                    "vLLM on " + ", ".join(PLAIN_EPISODES) + ")")
+    p.add_argument("--fixed-capacity", action="store_true", help="size the episodes by the "
+                   "reference CPU_CAPACITY instead of the server's speed measured first")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     p.add_argument("--ledger", type=Path, default=witness_ledger.LEDGER,
                    help="where a full run (every episode and arm, its own server) is appended "
@@ -449,7 +501,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.source is not None:
         done = json.loads(args.source.read_text())
-        eps = {e: t for e, t in episodes(done["seed"]).items() if e in done["good"]}
+        capacity = sized(done["chat_rps"]) if done.get("chat_rps") else CPU_CAPACITY
+        eps = {e: t for e, t in episodes(done["seed"], capacity).items()
+               if e in done["good"]}
         calib = calibration(eps, done["good"], done["ttfts"],
                             EngineConfig(**done["calibration"]["engine"]),
                             done["calibration"]["source"])
@@ -460,13 +514,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(arms) - ARMS.keys())
     if unknown:
         p.error(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARMS)}")
-    eps = episodes(args.seed)
-    if args.episodes:
-        wanted = [e for e in args.episodes.split(",") if e]
-        missing = sorted(set(wanted) - eps.keys())
-        if missing:
-            p.error(f"unknown episode(s) {', '.join(missing)}; known: {', '.join(eps)}")
-        eps = {e: eps[e] for e in wanted}
+    names = list(episodes(args.seed))
+    wanted = [e for e in args.episodes.split(",") if e] or names
+    missing = sorted(set(wanted) - set(names))
+    if missing:
+        p.error(f"unknown episode(s) {', '.join(missing)}; known: {', '.join(names)}")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     server = None
@@ -480,6 +532,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                              args.out / "witness-server.log")
         url = server.base_url
     try:
+        chat_rps = None
+        if not args.fixed_capacity:
+            print("witness: measuring the server's chat throughput (the episodes' size) ...",
+                  file=sys.stderr, flush=True)
+            chat_rps = measure_chat_rps(url, args.seed)
+        capacity = CPU_CAPACITY if chat_rps is None else sized(chat_rps)
+        print(f"witness: episodes sized for {capacity.chat_rps:.2f} chat requests/s "
+              f"({capacity.chat_rps / CPU_CAPACITY.chat_rps:.2f} x the reference "
+              f"{CPU_CAPACITY.chat_rps:g}/s)", flush=True)
+        every = episodes(args.seed, capacity)
+        eps = {e: every[e] for e in wanted}
         good, ttfts, steps, kinds = run(url, eps, arms, args.seed, CPU_SLO)
         kv = httpx.get(f"{url}/admin/autotuner", timeout=30).json()["kv_capacity"]
     finally:
@@ -505,10 +568,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.out / "cpu-profile.json").write_text(json.dumps(record, indent=1) + "\n")
     calib = calibration(eps, good, ttfts, engine, source)
     (args.out / "witness.json").write_text(json.dumps(
-        {"seed": args.seed, "good": good, "ttfts": ttfts, "calibration": calib,
+        {"seed": args.seed, "chat_rps": chat_rps, "good": good, "ttfts": ttfts,
+         "calibration": calib,
          "plain": plain, "kinds": kinds, "plain_kinds": plain_kinds}, indent=1))
     if args.url is None and not args.episodes and set(arms) == ARMS.keys():
-        witness_ledger.append(args.ledger, good, args.seed, commit, dirty)
+        witness_ledger.append(args.ledger, good, args.seed, commit, dirty, chat_rps)
     report(good, calib, args.sim, plain, kinds, plain_kinds, pooled(args.ledger, commit))
     return 0 if good else 2
 

@@ -31,10 +31,13 @@ MIN_VS_FIXED_POOLED = 0.90
 
 
 def append(path: Path, good: Mapping[str, Mapping[str, int]], seed: int, commit: str,
-           dirty: bool) -> dict:
-    """Append one run (``good``: ``{episode: {arm: good requests}}``) and return its record."""
+           dirty: bool, chat_rps: float | None = None) -> dict:
+    """Append one run (``good``: ``{episode: {arm: good requests}}``; ``chat_rps``: the
+    server's speed its episodes were sized by, :func:`bench.witness.sized`, None for the
+    reference capacity) and return its record."""
     record = {"schema": 1, "commit": commit, "dirty": dirty,
-              "date": time.strftime("%Y-%m-%d", time.gmtime()), "seed": seed, "good": good}
+              "date": time.strftime("%Y-%m-%d", time.gmtime()), "seed": seed, "good": good,
+              "chat_rps": chat_rps}
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -53,8 +56,9 @@ def runs_of(records: Sequence[Mapping], commit: str, root: Path = ROOT) -> list[
     """The clean runs of the code at ``commit`` (:func:`bench.process.same_code`) whose own
     A/A control held (:func:`bench.witness.judge` is not ``unresolved``): a run whose two
     identical arms disagree beyond the band measured a machine that did not hold still (a
-    slow spell: its traffic, sized for the machine's usual speed, overloads every arm), and
-    its pairs would widen or bias the pool as they do not judge on their own."""
+    slow spell that began after the speed probe sized its traffic, which then overloads
+    every arm), and its pairs would widen or bias the pool as they do not judge on their
+    own."""
     return [r for r in records if not r["dirty"] and same_code(r["commit"], commit, root)
             and judge(r["good"])[1] != "unresolved"]
 

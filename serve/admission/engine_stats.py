@@ -85,11 +85,10 @@ class SlidingWindow:
         return self._total
 
     def mean(self) -> float | None:
-        """Mean of the samples in the window, None when empty."""
+        """Mean of the samples in the window (the running total over the count: O(1)
+        amortised), None when empty."""
         self._prune()
-        if not self._count:
-            return None
-        return sum(sum(b) for _, b in self._batches) / self._count
+        return self._total / self._count if self._count else None
 
     def __len__(self) -> int:
         self._prune()

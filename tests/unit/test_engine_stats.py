@@ -180,7 +180,7 @@ def test_sliding_window_keeps_steps_whole_and_bounded():
     window.add(0.9)
     window.add(1.0)  # 7 > max_samples: the oldest step goes, whole
     assert len(window) == 4 and window.percentile(1) == 0.4
-    assert window.sum() == pytest.approx(2.8)
+    assert window.sum() == pytest.approx(2.8) and window.mean() == pytest.approx(0.7)
     clock.t += 5.5  # the step stamped at t=105 is still inside 10 s, none older is left
     assert len(window) == 4
     clock.t += 10

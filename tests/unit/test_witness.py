@@ -29,6 +29,23 @@ def test_episodes_are_the_suite_cut_into_independent_pieces():
     assert witness.episodes(0)["T6/0"] == eps["T6/0"] != witness.episodes(1)["T6/0"]
 
 
+def test_episodes_are_sized_by_the_speed_the_server_showed():
+    """On a server half as fast the same fractions of capacity: half the requests per
+    second in the steady and overload windows; T2's bursts are 2 x max_num_seqs on any."""
+    ref = witness.episodes(0)
+    half = witness.sized(witness.CPU_CAPACITY.chat_rps / 2)
+    assert half.vision_rps == pytest.approx(witness.CPU_CAPACITY.vision_rps / 2)
+    assert half.long_rps == pytest.approx(witness.CPU_CAPACITY.long_rps / 2)
+    slow = witness.episodes(0, half)
+    for name in ("T1/0", "T1/1", "T6/0", "T6/1"):
+        assert len(slow[name].requests) == pytest.approx(len(ref[name].requests) / 2, rel=0.3)
+    assert len(slow["T2/0"].requests) == len(ref["T2/0"].requests) == 64
+    assert max(r.arrival_s for r in slow["T2/0"].requests) < 1.5  # still within a second
+    assert witness.sized(witness.CPU_CAPACITY.chat_rps) == witness.CPU_CAPACITY
+    with pytest.raises(ValueError, match="chat_rps"):
+        witness.sized(0.0)
+
+
 def test_each_arm_gets_its_own_content_and_the_same_work():
     """The salt changes what every cache keys on (the text's first word, a crop's corner
     pixel) and nothing of the work: the same requests, words, crop sizes and token counts."""
@@ -131,6 +148,12 @@ def test_the_run_checks_a_cpu_profile_fitted_to_its_own_engine_steps(tmp_path, c
     assert witness.main(["--from", str(tmp_path / "w.json")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "calib=ok" in out[-2] and out[-1].startswith("witness episodes=2 ")
+    # a run sized by a slower server is judged on the episodes it replayed: checked against
+    # the reference-sized ones, the same good counts no longer agree with the profile
+    (tmp_path / "w.json").write_text(json.dumps({"seed": 0, "chat_rps": 3.0, "good": good,
+                                                 "ttfts": ttfts, "calibration": calib}))
+    assert witness.main(["--from", str(tmp_path / "w.json")]) == 0
+    assert "calib=off" in capsys.readouterr().out.splitlines()[-2]
 
 
 def test_sanity_line_compares_plain_vllm_with_the_off_arm_on_the_same_episodes():
