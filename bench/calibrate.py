@@ -257,14 +257,16 @@ def ranks_agree(arms: Sequence[ArmCheck], tolerance: float = CHECK_TOLERANCE) ->
 
 
 def check(episodes: Mapping, good: Mapping[str, Mapping[str, int]],
-          ttfts: Mapping[str, Mapping[str, Sequence[float]]], engine: EngineConfig
-          ) -> tuple[bool, list[ArmCheck]]:
+          ttfts: Mapping[str, Mapping[str, Sequence[float]]], engine: EngineConfig,
+          slo=None) -> tuple[bool, list[ArmCheck]]:
     """The calibration check (issue 32 point 3): the cpu profile ``engine`` replays every
     witness episode (``{name: bench.trace.Trace}``) on each of :data:`CHECK_ARMS`; its good
     requests and p90 TTFT, pooled over the episodes, must be within
     :data:`CHECK_TOLERANCE` of the real engine's (``good``/``ttfts``: ``{episode: {arm:
     ...}}``, the witness's), and rank the arms as the real engine does. Arms the witness did
-    not run are skipped. Returns ``(ok, per-arm rows)``."""
+    not run are skipped; ``slo`` (:class:`serve.admission.goodput.SloTargets`): the targets
+    the witness counted good requests by (default the cpu profile's). Returns ``(ok, per-arm
+    rows)``."""
     from bench.autotune import suite_setup, summarize
     from bench.sim import simulate
     from serve.admission.engine_stats import percentile
@@ -278,7 +280,7 @@ def check(episodes: Mapping, good: Mapping[str, Mapping[str, int]],
         pred_good, pred_ttft = 0, []
         for e in names:
             run = simulate(episodes[e], mode, limit, setup)
-            pred_good += summarize(arm, run.requests, episodes[e], setup.slo).good
+            pred_good += summarize(arm, run.requests, episodes[e], slo or setup.slo).good
             pred_ttft += [r.ttft_s for r in run.requests if r.ttft_s is not None]
         meas_ttft = [t for e in names for t in ttfts[e][arm]]
         rows.append(ArmCheck(arm, sum(good[e][arm] for e in names), pred_good,

@@ -7,9 +7,10 @@ arm)
 
 One ``python -m serve`` on the tiny model (``--bench-admin``, vLLM's
 ``--enable-logging-iteration-details``, the CPU suite's SLO and time constants) stays up for
-the whole run. Its chat throughput is measured first (:func:`measure_chat_rps`) and the
-episodes sized by it (:func:`sized`), so that their loads are the suite's fractions of this
-server's capacity, whatever the host's speed that day; after the replays the simulator's cpu
+the whole run. A server of its own measures the host's chat throughput first (:func:`probe`),
+and the episodes (:func:`sized`) and the SLO's targets (:func:`sized_slo`) are sized by it, so
+that their loads are the suite's fractions of this host's capacity and its targets as hard,
+whatever the host's speed that day; after the replays the simulator's cpu
 profile is fitted to the engine steps it logged and checked against the fixed-limit arms
 (:func:`calibration`). The CPU suite
 (:func:`bench.trace.cpu_suite`) is cut into short independent **episodes** (:func:`episodes`):
@@ -60,6 +61,7 @@ from bench import calibrate
 from bench.sim import EngineConfig, cpu_profile
 from bench.stats import bootstrap_interval
 from bench.trace import CPU_CAPACITY, Capacity, Trace, backlog_trace, chat_phase, cpu_suite
+from serve.admission.goodput import SloTargets
 
 #: Arm name -> ``/admin/bench/admission`` body.
 ARMS: dict[str, dict] = {
@@ -264,6 +266,23 @@ def measure_chat_rps(base_url: str, seed: int, capacity: Capacity = CPU_CAPACITY
     return len(done) / max(done)
 
 
+def probe(out: Path, seed: int) -> float:
+    """:func:`measure_chat_rps` on a ``python -m serve`` of its own (the witness's arguments,
+    log ``out/witness-probe.log``), stopped after it: the witness's server then starts with
+    the targets sized by it (:func:`sized_slo`), which it reads only at boot."""
+    from bench.autotune import CPU_AUTO_ARGS
+    from bench.process import ensure_tiny_model, start_serve, stop_process
+
+    ensure_tiny_model()
+    print(f"witness: measuring the server's chat throughput (the episodes' size; log "
+          f"{out / 'witness-probe.log'}) ...", file=sys.stderr, flush=True)
+    server = start_serve([*calibrate.SERVER_ARGS, *CPU_AUTO_ARGS], out / "witness-probe.log")
+    try:
+        return measure_chat_rps(server.base_url, seed)
+    finally:
+        stop_process(server)
+
+
 def sized(chat_rps: float, capacity: Capacity = CPU_CAPACITY) -> Capacity:
     """``capacity`` at the speed the server showed (``chat_rps``, :func:`measure_chat_rps`):
     every mix's rate scaled by ``chat_rps / capacity.chat_rps``. The suite's rates are
@@ -276,6 +295,18 @@ def sized(chat_rps: float, capacity: Capacity = CPU_CAPACITY) -> Capacity:
     scale = chat_rps / capacity.chat_rps
     return replace(capacity, chat_rps=chat_rps, vision_rps=capacity.vision_rps * scale,
                    long_rps=capacity.long_rps * scale)
+
+
+def sized_slo(chat_rps: float, slo: SloTargets, capacity: Capacity = CPU_CAPACITY
+              ) -> SloTargets:
+    """``slo`` at the speed the server showed: both targets divided by ``chat_rps /
+    capacity.chat_rps``. The CPU suite's targets are stated for the reference speed (a 2-s
+    TTFT is ~7 image encodes there, :data:`bench.autotune.CPU_SLO_TTFT_S`); on a host at
+    half that speed every fixed limit would miss them by the host, not by its admission,
+    and the few good requests left make every ratio noise. Raises ValueError unless
+    ``chat_rps`` > 0."""
+    scale = sized(chat_rps, capacity).chat_rps / capacity.chat_rps
+    return SloTargets(slo.ttft_s / scale, slo.itl_s / scale)
 
 
 def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
@@ -460,11 +491,11 @@ def run_profile(steps: Sequence[dict], kv: Mapping | None, profile: Path | None,
 
 
 def calibration(eps: Mapping[str, Trace], good, ttfts, engine: EngineConfig,
-                source: str) -> dict:
+                source: str, slo: SloTargets | None = None) -> dict:
     """The check of ``engine`` (:func:`bench.calibrate.check`) against the run's fixed-limit
-    arms: ``{"ok", "table", "source", "engine"}`` (``engine``: its fields, so that ``--from``
-    can judge again)."""
-    ok, rows = calibrate.check(eps, good, ttfts, engine)
+    arms, good requests counted by ``slo`` (default the cpu profile's): ``{"ok", "table",
+    "source", "engine"}`` (``engine``: its fields, so that ``--from`` can judge again)."""
+    ok, rows = calibrate.check(eps, good, ttfts, engine, slo)
     return {"ok": ok, "table": calibrate.format_check(ok, rows), "source": source,
             "engine": asdict(engine)}
 
@@ -492,8 +523,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "print its verdicts (with --sim, the combined line) without replaying")
     p.add_argument("--no-plain", action="store_true", help="skip the sanity arm (plain "
                    "vLLM on " + ", ".join(PLAIN_EPISODES) + ")")
-    p.add_argument("--fixed-capacity", action="store_true", help="size the episodes by the "
-                   "reference CPU_CAPACITY instead of the server's speed measured first")
+    p.add_argument("--fixed-capacity", action="store_true", help="size the episodes and the "
+                   "SLO by the reference CPU_CAPACITY instead of the speed of a server "
+                   "measured first (implied by --url)")
     p.add_argument("--out", type=Path, default=Path("bench/out"))
     p.add_argument("--ledger", type=Path, default=witness_ledger.LEDGER,
                    help="where a full run (every episode and arm, its own server) is appended "
@@ -501,12 +533,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.source is not None:
         done = json.loads(args.source.read_text())
-        capacity = sized(done["chat_rps"]) if done.get("chat_rps") else CPU_CAPACITY
+        chat_rps = done.get("chat_rps")
+        capacity = sized(chat_rps) if chat_rps else CPU_CAPACITY
         eps = {e: t for e, t in episodes(done["seed"], capacity).items()
                if e in done["good"]}
         calib = calibration(eps, done["good"], done["ttfts"],
                             EngineConfig(**done["calibration"]["engine"]),
-                            done["calibration"]["source"])
+                            done["calibration"]["source"],
+                            sized_slo(chat_rps, CPU_SLO) if chat_rps else CPU_SLO)
         report(done["good"], calib, args.sim, done.get("plain"), done.get("kinds"),
                done.get("plain_kinds"))
         return 0
@@ -523,27 +557,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     server = None
     url = args.url
+    chat_rps = None
+    if url is None and not args.fixed_capacity:
+        chat_rps = probe(args.out, args.seed)
+    slo = CPU_SLO if chat_rps is None else sized_slo(chat_rps, CPU_SLO)
+    capacity = CPU_CAPACITY if chat_rps is None else sized(chat_rps)
+    print(f"witness: episodes sized for {capacity.chat_rps:.2f} chat requests/s "
+          f"({capacity.chat_rps / CPU_CAPACITY.chat_rps:.2f} x the reference "
+          f"{CPU_CAPACITY.chat_rps:g}/s), SLO TTFT {slo.ttft_s:.2f} s, mean ITL "
+          f"{1000 * slo.itl_s:.0f} ms", flush=True)
+    every = episodes(args.seed, capacity)
+    eps = {e: every[e] for e in wanted}
     if url is None:
         ensure_tiny_model()
         print(f"witness: starting python -m serve on the tiny model (log "
               f"{args.out / 'witness-server.log'}) ...", file=sys.stderr, flush=True)
-        server = start_serve([*calibrate.SERVER_ARGS, "--slo-ttft-s", f"{CPU_SLO.ttft_s:g}",
-                              "--slo-itl-s", f"{CPU_SLO.itl_s:g}", *CPU_AUTO_ARGS],
+        server = start_serve([*calibrate.SERVER_ARGS, "--slo-ttft-s", f"{slo.ttft_s:g}",
+                              "--slo-itl-s", f"{slo.itl_s:g}", *CPU_AUTO_ARGS],
                              args.out / "witness-server.log")
         url = server.base_url
     try:
-        chat_rps = None
-        if not args.fixed_capacity:
-            print("witness: measuring the server's chat throughput (the episodes' size) ...",
-                  file=sys.stderr, flush=True)
-            chat_rps = measure_chat_rps(url, args.seed)
-        capacity = CPU_CAPACITY if chat_rps is None else sized(chat_rps)
-        print(f"witness: episodes sized for {capacity.chat_rps:.2f} chat requests/s "
-              f"({capacity.chat_rps / CPU_CAPACITY.chat_rps:.2f} x the reference "
-              f"{CPU_CAPACITY.chat_rps:g}/s)", flush=True)
-        every = episodes(args.seed, capacity)
-        eps = {e: every[e] for e in wanted}
-        good, ttfts, steps, kinds = run(url, eps, arms, args.seed, CPU_SLO)
+        good, ttfts, steps, kinds = run(url, eps, arms, args.seed, slo)
         kv = httpx.get(f"{url}/admin/autotuner", timeout=30).json()["kv_capacity"]
     finally:
         if server is not None:
@@ -556,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("witness: starting plain vLLM (the sanity arm) ...", file=sys.stderr, flush=True)
         vllm = start_arm("raw", args.out, ensure_tiny_model())
         try:
-            plain, plain_kinds = run_plain(vllm.base_url, plain_eps, args.seed, CPU_SLO)
+            plain, plain_kinds = run_plain(vllm.base_url, plain_eps, args.seed, slo)
         finally:
             stop_process(vllm)
     print(f"({len(good)} episodes x {len(arms)} arms in {time.perf_counter() - t0:.0f} s)")
@@ -566,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seed": args.seed, "traces": "the witness's episodes, every arm"})
     if record is not None:
         (args.out / "cpu-profile.json").write_text(json.dumps(record, indent=1) + "\n")
-    calib = calibration(eps, good, ttfts, engine, source)
+    calib = calibration(eps, good, ttfts, engine, source, slo)
     (args.out / "witness.json").write_text(json.dumps(
         {"seed": args.seed, "chat_rps": chat_rps, "good": good, "ttfts": ttfts,
          "calibration": calib,

@@ -44,6 +44,14 @@ def test_episodes_are_sized_by_the_speed_the_server_showed():
     assert witness.sized(witness.CPU_CAPACITY.chat_rps) == witness.CPU_CAPACITY
     with pytest.raises(ValueError, match="chat_rps"):
         witness.sized(0.0)
+    # the SLO's targets are times: on a host at half the speed, twice as long
+    from bench.autotune import CPU_SLO
+    slow_slo = witness.sized_slo(witness.CPU_CAPACITY.chat_rps / 2, CPU_SLO)
+    assert slow_slo.ttft_s == pytest.approx(2 * CPU_SLO.ttft_s)
+    assert slow_slo.itl_s == pytest.approx(2 * CPU_SLO.itl_s)
+    assert witness.sized_slo(witness.CPU_CAPACITY.chat_rps, CPU_SLO) == CPU_SLO
+    with pytest.raises(ValueError, match="chat_rps"):
+        witness.sized_slo(-1.0, CPU_SLO)
 
 
 def test_each_arm_gets_its_own_content_and_the_same_work():
