@@ -126,8 +126,10 @@ def episodes(seed: int = 0, capacity: Capacity = CPU_CAPACITY,
 def log_ratios(good: Mapping[str, Mapping[str, int]], arm: str, base: str,
                names: Iterable[str] | None = None) -> list[float]:
     """``log((good[e][arm] + 0.5) / (good[e][base] + 0.5))`` for each episode ``e`` (of
-    ``names`` when given) that ran both arms."""
-    keys = [e for e in (names if names is not None else good) if e in good]
+    ``names`` when given) that ran both arms, in the episodes' sorted order: the bootstrap
+    resamples by position, so a run judged from its replay order and from its ledger record
+    (sorted keys) gets the same interval."""
+    keys = sorted(e for e in (names if names is not None else good) if e in good)
     return [math.log((good[e][arm] + 0.5) / (good[e][base] + 0.5)) for e in keys
             if arm in good[e] and base in good[e]]
 

@@ -116,6 +116,19 @@ def test_a_ratio_keeps_episodes_where_both_arms_got_nothing():
     assert all(math.isnan(x) for x in witness.interval([0.1]))
 
 
+def test_the_verdict_does_not_depend_on_the_episodes_order():
+    """A run is judged from its replay order when it ends and from its ledger record (sorted
+    keys) when pooled: the same counts give the same intervals either way."""
+    import random
+
+    rng = random.Random(3)
+    good = {f"T{k}/{i}": {a: rng.randint(0, 60) for a in witness.ARMS}
+            for k in (1, 2, 5, 6) for i in range(3)}
+    shuffled = dict(sorted(good.items(), key=lambda _: rng.random()))
+    assert list(shuffled) != list(good)
+    assert witness.judge(shuffled) == witness.judge(good)
+
+
 def test_the_combined_line_fails_with_the_simulator_and_is_never_pass_uncalibrated():
     from bench.simjudge import TraceVerdict, sim_head
 
