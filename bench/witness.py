@@ -292,9 +292,7 @@ def sized(chat_rps: float, capacity: Capacity = CPU_CAPACITY) -> Capacity:
     ~1.5x from day to day, more between hosts: the episodes load the engine the same on a
     slow day as on a fast one, as :func:`bench.trace.cpu_suite` documents.
     Raises ValueError unless ``chat_rps`` > 0."""
-    if not chat_rps > 0:
-        raise ValueError(f"chat_rps must be > 0, got {chat_rps!r}")
-    scale = chat_rps / capacity.chat_rps
+    scale = speed(chat_rps, capacity)
     return replace(capacity, chat_rps=chat_rps, vision_rps=capacity.vision_rps * scale,
                    long_rps=capacity.long_rps * scale)
 
@@ -307,8 +305,27 @@ def sized_slo(chat_rps: float, slo: SloTargets, capacity: Capacity = CPU_CAPACIT
     half that speed every fixed limit would miss them by the host, not by its admission,
     and the few good requests left make every ratio noise. Raises ValueError unless
     ``chat_rps`` > 0."""
-    scale = sized(chat_rps, capacity).chat_rps / capacity.chat_rps
+    scale = speed(chat_rps, capacity)
     return SloTargets(slo.ttft_s / scale, slo.itl_s / scale)
+
+
+def speed(chat_rps: float, capacity: Capacity = CPU_CAPACITY) -> float:
+    """``chat_rps / capacity.chat_rps``: the host's speed against the reference, the one
+    factor :func:`sized` and :func:`sized_slo` scale by. Raises ValueError unless
+    ``chat_rps`` > 0."""
+    if not chat_rps > 0:
+        raise ValueError(f"chat_rps must be > 0, got {chat_rps!r}")
+    return chat_rps / capacity.chat_rps
+
+
+def sizing(chat_rps: float | None, slo: SloTargets) -> tuple[Capacity, SloTargets]:
+    """The capacity and the targets a run replays and counts by: sized by ``chat_rps``
+    (:func:`sized`, :func:`sized_slo`), or the reference ones (:data:`CPU_CAPACITY`,
+    ``slo``) when it is None (``--fixed-capacity``, ``--url``, or a run recorded before the
+    probe)."""
+    if chat_rps is None:
+        return CPU_CAPACITY, slo
+    return sized(chat_rps), sized_slo(chat_rps, slo)
 
 
 def run(base_url: str, eps: Mapping[str, Trace], arms: Sequence[str], seed: int,
@@ -535,14 +552,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.source is not None:
         done = json.loads(args.source.read_text())
-        chat_rps = done.get("chat_rps")
-        capacity = sized(chat_rps) if chat_rps else CPU_CAPACITY
+        capacity, slo = sizing(done.get("chat_rps"), CPU_SLO)
         eps = {e: t for e, t in episodes(done["seed"], capacity).items()
                if e in done["good"]}
         calib = calibration(eps, done["good"], done["ttfts"],
                             EngineConfig(**done["calibration"]["engine"]),
-                            done["calibration"]["source"],
-                            sized_slo(chat_rps, CPU_SLO) if chat_rps else CPU_SLO)
+                            done["calibration"]["source"], slo)
         report(done["good"], calib, args.sim, done.get("plain"), done.get("kinds"),
                done.get("plain_kinds"))
         return 0
@@ -562,10 +577,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     chat_rps = None
     if url is None and not args.fixed_capacity:
         chat_rps = probe(args.out, args.seed)
-    slo = CPU_SLO if chat_rps is None else sized_slo(chat_rps, CPU_SLO)
-    capacity = CPU_CAPACITY if chat_rps is None else sized(chat_rps)
+    capacity, slo = sizing(chat_rps, CPU_SLO)
     print(f"witness: episodes sized for {capacity.chat_rps:.2f} chat requests/s "
-          f"({capacity.chat_rps / CPU_CAPACITY.chat_rps:.2f} x the reference "
+          f"({speed(capacity.chat_rps):.2f} x the reference "
           f"{CPU_CAPACITY.chat_rps:g}/s), SLO TTFT {slo.ttft_s:.2f} s, mean ITL "
           f"{1000 * slo.itl_s:.0f} ms", flush=True)
     every = episodes(args.seed, capacity)
