@@ -377,18 +377,23 @@ class SuiteReport:
         return best, worst(best)
 
 
-def suite_setup(profile: str, engine: EngineConfig | None = None) -> tuple[Setup, int]:
+def suite_setup(profile: str, engine: EngineConfig | None = None,
+                slo: SloTargets | None = None) -> tuple[Setup, int]:
     """The setup a server with today's settings runs on ``profile``, and its num_crops: a GPU
     server's defaults on ``gpu-like`` and ``h200``; on ``cpu`` a CPU server's defaults with
     the CPU benchmarks' SLO and autotuner time constants (:data:`CPU_SLO`,
     :data:`CPU_AUTO_ARGS`: what the real-engine witness's server runs).
-    ``engine``: the profile's constants (default :data:`bench.sim.PROFILES`'s)."""
+    ``engine``: the profile's constants (default :data:`bench.sim.PROFILES`'s); ``slo``: the
+    targets the server boots with (default the profile's above), which its controller, SLO
+    shedding and engine queue use as well as the goodput count."""
     if profile == "cpu":
-        settings = Settings(device="cpu", slo_ttft_s=CPU_SLO_TTFT_S, slo_itl_s=CPU_SLO_ITL_S,
+        slo = slo or CPU_SLO
+        settings = Settings(device="cpu", slo_ttft_s=slo.ttft_s, slo_itl_s=slo.itl_s,
                             autotune_interval_s=CPU_AUTO_INTERVAL_S,
                             autotune_window_s=CPU_AUTO_WINDOW_S)
     else:
-        settings = Settings(device="cuda")
+        targets = {} if slo is None else {"slo_ttft_s": slo.ttft_s, "slo_itl_s": slo.itl_s}
+        settings = Settings(device="cuda", **targets)
     setup = Setup.from_settings(settings, engine if engine is not None else PROFILES[profile]())
     return setup, settings.resolved().num_crops
 

@@ -265,13 +265,16 @@ def check(episodes: Mapping, good: Mapping[str, Mapping[str, int]],
     :data:`CHECK_TOLERANCE` of the real engine's (``good``/``ttfts``: ``{episode: {arm:
     ...}}``, the witness's), and rank the arms as the real engine does. Arms the witness did
     not run are skipped; ``slo`` (:class:`serve.admission.goodput.SloTargets`): the targets
-    the witness counted good requests by (default the cpu profile's). Returns ``(ok, per-arm
+    the witness's server booted with and counted good requests by (default the cpu
+    profile's). Returns ``(ok, per-arm
     rows)``."""
     from bench.autotune import suite_setup, summarize
     from bench.sim import simulate
     from serve.admission.engine_stats import percentile
 
-    setup, _ = suite_setup("cpu", engine)
+    # The simulated server boots with the witness's targets: its SLO shedding and engine
+    # queue are bounded by the TTFT target, so they shape the TTFTs compared below.
+    setup, _ = suite_setup("cpu", engine, slo)
     rows = []
     for arm, (mode, limit) in CHECK_ARMS.items():
         names = [e for e in episodes if arm in good.get(e, {})]
@@ -280,7 +283,7 @@ def check(episodes: Mapping, good: Mapping[str, Mapping[str, int]],
         pred_good, pred_ttft = 0, []
         for e in names:
             run = simulate(episodes[e], mode, limit, setup)
-            pred_good += summarize(arm, run.requests, episodes[e], slo or setup.slo).good
+            pred_good += summarize(arm, run.requests, episodes[e], setup.slo).good
             pred_ttft += [r.ttft_s for r in run.requests if r.ttft_s is not None]
         meas_ttft = [t for e in names for t in ttfts[e][arm]]
         rows.append(ArmCheck(arm, sum(good[e][arm] for e in names), pred_good,

@@ -6,7 +6,9 @@
 For each engine profile (:data:`bench.sim.PROFILES`) and seed, the suite's traces
 (:func:`bench.trace.suite`, seeded; the capacity they are fractions of measured on that
 profile with the same seed; on ``cpu``, the CPU suite the real-engine witness replays,
-:func:`bench.trace.cpu_suite`, with the CPU benchmarks' SLO and autotuner time constants)
+:func:`bench.trace.cpu_suite`, with the CPU benchmarks' SLO and autotuner time constants,
+the SLO's targets sized by the profile's chat capacity over the committed profile's as the
+witness sizes them by the host's, :func:`bench.witness.sized_slo`)
 run through :mod:`bench.sim` once with the autotuner (``auto``), once per fixed limit L
 (every power of two up to the ceiling) and once ``unlimited`` (no gateway limit: plain
 vLLM's admission). Goodput is DistServe's: requests meeting both the
@@ -50,6 +52,7 @@ from pathlib import Path
 
 from bench.sim import PROFILES, EngineConfig, cpu_profile, simulate
 from bench.trace import CPU_CAPACITY, cpu_suite, suite
+from bench.witness import sized_slo
 
 #: Traces that overload the engine (T2's bursts, T3 at 120 % of capacity, T6 at 2x), where
 #: the median over seeds must reach every fixed limit.
@@ -89,17 +92,32 @@ class Cell:
 
 
 @functools.lru_cache(maxsize=None)
-def _setup_and_traces(profile: str, seed: int, engine: EngineConfig | None = None):
-    from bench.autotune import measure_capacity, static_limits, suite_setup
+def _capacity(profile: str, seed: int, engine: EngineConfig | None = None):
+    from bench.autotune import measure_capacity, suite_setup
 
     setup, num_crops = suite_setup(profile, engine)
+    # On cpu, the CPU suite's shapes: the backlog CPU_CAPACITY was measured on.
+    shapes = CPU_CAPACITY if profile == "cpu" else None
+    return measure_capacity(setup, num_crops, seed, shapes=shapes)
+
+
+@functools.lru_cache(maxsize=None)
+def _setup_and_traces(profile: str, seed: int, engine: EngineConfig | None = None):
+    from bench.autotune import CPU_SLO, static_limits, suite_setup
+
+    capacity = _capacity(profile, seed, engine)
     if profile == "cpu":
         # The CPU suite (T1, T2, T5, T6 at CPU scale, with the CPU mixes' shapes): the traffic
-        # the real-engine witness replays, which checks this profile.
-        capacity = measure_capacity(setup, num_crops, seed, shapes=CPU_CAPACITY)
+        # the real-engine witness replays, which checks this profile. Its targets are sized
+        # as the witness sizes them (bench.witness.sized_slo), by this profile's chat
+        # capacity over the committed profile's: a profile fitted on a slower host is judged
+        # as hard as the committed one, not failed by its host's speed.
+        slo = sized_slo(capacity.chat_rps, CPU_SLO, _capacity("cpu", seed))
+        setup, _ = suite_setup(profile, engine, slo)
         traces = cpu_suite(seed, capacity)
     else:
-        traces = suite(measure_capacity(setup, num_crops, seed), seed)
+        setup, _ = suite_setup(profile, engine)
+        traces = suite(capacity, seed)
     return setup, static_limits(setup.engine.max_num_seqs), traces
 
 

@@ -13,6 +13,7 @@ from vllm.v1.metrics.stats import SchedulerIterationDetails, SchedulerStats
 from bench import calibrate
 from bench.sim import CPU_PROFILE_PATH, EngineConfig, cpu_profile, simulate
 from bench.witness import episodes
+from serve.admission.goodput import SloTargets
 from serve.steplog import StepLog
 
 TRUE = EngineConfig(step_base_s=0.004, step_per_seq_s=0.0005, step_per_prefill_token_s=25e-6,
@@ -94,11 +95,12 @@ def test_a_negative_coefficient_is_dropped_and_the_rest_refitted():
         calibrate.nnls([], [])
 
 
-def measured(eps, engine: EngineConfig, scale: float = 1.0):
-    """The witness's tables as an engine of ``engine`` would produce them (good x ``scale``)."""
+def measured(eps, engine: EngineConfig, scale: float = 1.0, slo: SloTargets | None = None):
+    """The witness's tables as an engine of ``engine`` would produce them (good x ``scale``)
+    behind a server booted with ``slo`` (default the cpu profile's targets)."""
     from bench.autotune import suite_setup, summarize
 
-    setup, _ = suite_setup("cpu", engine)
+    setup, _ = suite_setup("cpu", engine, slo)
     good, ttfts = {}, {}
     for name, trace in eps.items():
         good[name], ttfts[name] = {}, {}
@@ -121,6 +123,21 @@ def test_the_check_passes_a_profile_that_predicts_the_engine_and_fails_one_that_
     good, ttfts = measured(eps, slow)
     ok, rows = calibrate.check(eps, good, ttfts, TRUE)
     assert not ok and "calib=off" in calibrate.format_check(ok, rows)
+
+
+def test_the_check_simulates_a_server_booted_with_the_witness_targets():
+    """On a slow host the witness's server boots with targets sized by its speed, and its SLO
+    shedding and engine queue are bounded by the TTFT target: a simulated server with the
+    reference targets sheds what the real one queued and predicts shorter TTFTs, so the
+    check simulates the server with the targets it is given."""
+    from bench.autotune import CPU_SLO
+
+    eps = {k: v for k, v in episodes(0).items() if k in ("T1/0", "T6/0", "T2/0")}
+    slow = replace(TRUE, **{k: 2.4 * getattr(TRUE, k) for k in calibrate.TERMS})
+    wide = SloTargets(2.4 * CPU_SLO.ttft_s, 2.4 * CPU_SLO.itl_s)
+    good, ttfts = measured(eps, slow, slo=wide)
+    ok, rows = calibrate.check(eps, good, ttfts, slow, wide)
+    assert ok, calibrate.format_check(ok, rows)
 
 
 def test_the_ranking_must_agree():

@@ -156,3 +156,24 @@ def test_the_cpu_profile_runs_the_cpu_suite_with_the_witness_slo():
     # A profile passed in (a fresh calibration) replaces the committed one.
     fast = dataclasses.replace(cpu_profile(), step_base_s=0.001)
     assert simjudge._setup_and_traces("cpu", 0, fast)[0].engine.step_base_s == 0.001
+
+
+def test_a_profile_fitted_on_a_slower_host_is_judged_by_targets_sized_as_the_witness_sizes_them():
+    """A profile whose steps cost twice the committed one's serves fewer chats per second;
+    its suite's targets (the controller's too: the server boots with them) are divided by
+    its chat capacity over the committed profile's, as the witness divides them by the
+    host's, and its traces are the suite's fractions of its own capacity."""
+    from bench.autotune import CPU_SLO
+    from bench.sim import cpu_profile
+
+    ref = cpu_profile()
+    slow = dataclasses.replace(ref, **{k: 2 * getattr(ref, k) for k in (
+        "step_base_s", "step_per_seq_s", "step_per_prefill_token_s", "step_per_image_token_s")})
+    speed = simjudge._capacity("cpu", 0, slow).chat_rps / simjudge._capacity("cpu", 0).chat_rps
+    assert 0.4 < speed < 0.8
+    setup, _, traces = simjudge._setup_and_traces("cpu", 0, slow)
+    assert setup.slo.ttft_s == pytest.approx(CPU_SLO.ttft_s / speed)
+    assert setup.slo.itl_s == pytest.approx(CPU_SLO.itl_s / speed)
+    assert setup.controller.ttft_target_s == pytest.approx(CPU_SLO.ttft_s / speed)
+    base = simjudge._setup_and_traces("cpu", 0)[2]
+    assert len(traces["T6"].requests) < 0.85 * len(base["T6"].requests)
