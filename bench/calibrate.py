@@ -266,8 +266,7 @@ def check(episodes: Mapping, good: Mapping[str, Mapping[str, int]],
     ...}}``, the witness's), and rank the arms as the real engine does. Arms the witness did
     not run are skipped; ``slo`` (:class:`serve.admission.goodput.SloTargets`): the targets
     the witness's server booted with and counted good requests by (default the cpu
-    profile's). Returns ``(ok, per-arm
-    rows)``."""
+    profile's). Returns ``(ok, per-arm rows)``."""
     from bench.autotune import suite_setup, summarize
     from bench.sim import simulate
     from serve.admission.engine_stats import percentile

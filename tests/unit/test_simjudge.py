@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from bench import ablate, simjudge
+from bench import ablate, calibrate, simjudge
 from bench.simjudge import Cell
 from serve.admission.controller import Controller, ControllerConfig, Signals
 from serve.admission.limiter import SlotCounter
@@ -167,8 +167,7 @@ def test_a_profile_fitted_on_a_slower_host_is_judged_by_targets_sized_as_the_wit
     from bench.sim import cpu_profile
 
     ref = cpu_profile()
-    slow = dataclasses.replace(ref, **{k: 2 * getattr(ref, k) for k in (
-        "step_base_s", "step_per_seq_s", "step_per_prefill_token_s", "step_per_image_token_s")})
+    slow = dataclasses.replace(ref, **{k: 2 * getattr(ref, k) for k in calibrate.TERMS})
     speed = simjudge._capacity("cpu", 0, slow).chat_rps / simjudge._capacity("cpu", 0).chat_rps
     assert 0.4 < speed < 0.8
     setup, _, traces = simjudge._setup_and_traces("cpu", 0, slow)
