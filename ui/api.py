@@ -9,7 +9,7 @@
   ``user`` field (:func:`api_user`): with the UI's key a trusted front end of the API's keys
   file, the API shares the UI's capacity fairly among its users and accounts usage per user.
   Closing the stream early (the user pressed Stop: the Chainlit task is cancelled, and
-  ``ui.app`` closes the iterator) exits the ``httpx`` stream context, which closes the
+  ``ui.app`` closes the iterator) cancels the task that runs the exchange, which closes the
   connection; the API then aborts the request in vLLM and frees its KV cache.
 
 Every failure raises :class:`ui.errors.ApiError` with a message ready for the chat.
@@ -18,11 +18,12 @@ No Chainlit import: unit-tested in the main test environment.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -157,17 +158,41 @@ class ApiClient:
         router's answers and the API's logs use. Raises :class:`ApiError`.
 
         Closing the iterator closes the HTTP connection, which makes the server abort the
-        generation. Consume it under ``contextlib.aclosing``: a task cancelled while it
-        awaits something else between two items (the page, on Stop) leaves the generator
-        suspended, and the connection open, until the garbage collector finalizes it.
+        generation. The exchange runs in a task of its own (:meth:`_exchange`) that hands
+        each event over through a queue, and closing cancels that task where it awaits the
+        network, the one place httpcore closes the connection at once. Had the exchange run
+        in this generator, a Stop landing while the page was updated would close httpcore's
+        stream generators, left suspended at a ``yield``, through the garbage collector:
+        under Chainlit (which applies ``nest_asyncio``) that finalization runs without the
+        event loop, marks the connection closed without closing it, and vLLM went on
+        generating until a later collection. Consume it under ``contextlib.aclosing``, so
+        that a cancelled task closes it at once rather than at collection.
         """
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         if user:
             body["user"] = api_user(user)
+        headers = {"X-Request-Id": f"ui-{uuid.uuid4().hex}"}
+        if conversation:
+            headers[SESSION_HEADER] = conversation
+        events: asyncio.Queue[Token | Usage | Finish | Exception | None] = asyncio.Queue()
+        exchange = asyncio.create_task(self._exchange(body, headers, events.put_nowait))
         try:
-            headers = {"X-Request-Id": f"ui-{uuid.uuid4().hex}"}
-            if conversation:
-                headers[SESSION_HEADER] = conversation
+            while (event := await events.get()) is not None:
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+        finally:
+            exchange.cancel()
+            # wait() rather than await: the exchange's CancelledError is its own, while a
+            # cancellation of this task must still reach the caller
+            await asyncio.wait([exchange])
+
+    async def _exchange(self, body: dict, headers: dict[str, str],
+                        put: Callable[[Token | Usage | Finish | Exception | None], None]
+                        ) -> None:
+        """The HTTP side of :meth:`stream_chat`: ``put`` each event, then None at the end, or
+        the :class:`ApiError` that ended it (never raises one)."""
+        try:
             async with self._http.stream("POST", "/v1/chat/completions", json=body,
                                          headers=headers) as r:
                 if r.status_code != 200:
@@ -184,11 +209,16 @@ class ApiClient:
                     for choice in event.get("choices") or []:
                         text = (choice.get("delta") or {}).get("content")
                         if text:
-                            yield Token(text)
+                            put(Token(text))
                         if choice.get("finish_reason"):
-                            yield Finish(choice["finish_reason"])
+                            put(Finish(choice["finish_reason"]))
                     if event.get("usage"):
-                        yield Usage(event["usage"])
+                        put(Usage(event["usage"]))
         except httpx.TransportError as exc:
-            raise errors.from_transport(exc, self.base_url, self.settings.read_timeout_s
-                                        ) from exc
+            error = errors.from_transport(exc, self.base_url, self.settings.read_timeout_s)
+            error.__cause__ = exc
+            put(error)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            put(exc)
+        else:
+            put(None)

@@ -153,6 +153,21 @@ class ChatPage:
             " return a && a.children.length >= n && !a.querySelector('svg circle'); }",
             arg=n, timeout=30_000)
 
+    async def press_stop(self, running) -> bool:
+        """Press Stop on the answer being generated; False when the answer ended on its own
+        first (the tiny model may sample its end-of-text token at any step), which Chainlit
+        shows by disabling the button.
+
+        ``running`` is an async callable giving the server's running requests. Raises
+        AssertionError when Stop cannot be pressed while the server still generates."""
+        from playwright.async_api import TimeoutError as PlaywrightTimeout
+        try:
+            await self.page.click("#stop-button", timeout=5_000)
+            return True
+        except PlaywrightTimeout:
+            assert await running() == 0, "Stop could not be pressed while the server generated"
+            return False
+
     async def send(self, text: str) -> None:
         await self.page.fill("#chat-input", text)
         await self.page.click("#chat-submit")
