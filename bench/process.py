@@ -28,11 +28,13 @@ READY_TIMEOUT_S = 300
 #: Where the benchmarks' ledgers live: what a run appends there is results, not a change to
 #: the code measured, so it never makes the checkout dirty (:func:`git_state`).
 RESULTS = "bench/results"
-#: The code measured: every tracked file outside :data:`RESULTS` but the Markdown prose (a
-#: ``git`` pathspec; its ``*`` matches across directories). No program reads a ``.md`` file,
-#: so a commit of manuals or notes leaves the measured code as it was and the runs before and
-#: after it pool.
-CODE_PATHSPEC = (".", f":(exclude){RESULTS}", ":(exclude)*.md")
+#: The code measured: every tracked file outside :data:`RESULTS` but the Markdown prose, the
+#: tests and the chat UI (a ``git`` pathspec; its ``*`` matches across directories). No
+#: program reads a ``.md`` file, and no benchmark runs a test or the UI (its own venv, which
+#: talks to the API over HTTP only), so a commit of manuals, notes, tests or the UI leaves the
+#: measured code as it was and the runs before and after it pool.
+CODE_PATHSPEC = (".", f":(exclude){RESULTS}", ":(exclude)*.md", ":(exclude)tests",
+                 ":(exclude)ui")
 
 
 def git_state(root: Path = ROOT) -> tuple[str, bool]:

@@ -6,8 +6,8 @@ Issue 32 asks auto against each fixed limit for a lower 90 % bound >= 0.85 on on
 >= 0.90 pooled over three runs. Pooled, each episode of each run is one pair of the same
 paired bootstrap as one run's (:func:`bench.witness.judge`): the runs' days differ, and the
 pairs' spread carries that. Runs pool when their commits hold the same code
-(:func:`bench.process.same_code`: results and Markdown prose aside); a dirty checkout's run,
-and a run whose A/A control left its band, is recorded and never pooled.
+(:func:`bench.process.same_code`: results, Markdown prose, tests and UI aside); a dirty
+checkout's run, and a run whose A/A control left its band, is recorded and never pooled.
 
 Standard library only (with the bench package).
 """

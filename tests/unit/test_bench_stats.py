@@ -271,8 +271,8 @@ def test_pooling_spans_commits_of_the_same_code():
 
 def test_same_code_ignores_results_and_prose(tmp_path):
     """``bench.process.same_code`` on a real repository: a commit touching only
-    ``bench/results`` or Markdown prose (at the top or in a folder) holds the same code; one
-    touching code does not; an unknown commit is not the same."""
+    ``bench/results``, Markdown prose (at the top or in a folder), the tests or the UI holds
+    the same code; one touching code does not; an unknown commit is not the same."""
     from bench.process import same_code
 
     def git(*args: str) -> str:
@@ -294,11 +294,17 @@ def test_same_code_ignores_results_and_prose(tmp_path):
     (tmp_path / "docs" / "guide.md").write_text("a chapter\n")
     git("add", "-A"), git("commit", "-qm", "prose")
     prose = git("rev-parse", "HEAD")
+    for folder in ("tests/unit", "ui"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "thing.py").write_text("y = 1\n")
+    git("add", "-A"), git("commit", "-qm", "tests and ui")
+    tests_and_ui = git("rev-parse", "HEAD")
     (tmp_path / "code.py").write_text("x = 2\n")
     git("commit", "-qam", "change")
     changed = git("rev-parse", "HEAD")
     assert same_code(first, ledger_only, tmp_path)
     assert same_code(first, prose, tmp_path)
+    assert same_code(first, tests_and_ui, tmp_path)
     assert not same_code(first, changed, tmp_path)
     assert not same_code(first, "f" * 40, tmp_path)
 
