@@ -162,7 +162,9 @@ class ChatPage:
         AssertionError when Stop cannot be pressed while the server still generates."""
         from playwright.async_api import TimeoutError as PlaywrightTimeout
         try:
-            await self.page.click("#stop-button", timeout=5_000)
+            # 30 s: a page busy rendering a fast stream on a loaded machine can take seconds
+            # to scroll the button into view
+            await self.page.click("#stop-button", timeout=30_000)
             return True
         except PlaywrightTimeout:
             assert await running() == 0, "Stop could not be pressed while the server generated"
