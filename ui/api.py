@@ -191,7 +191,8 @@ class ApiClient:
                         put: Callable[[Token | Usage | Finish | Exception | None], None]
                         ) -> None:
         """The HTTP side of :meth:`stream_chat`: ``put`` each event, then None at the end, or
-        the :class:`ApiError` that ended it (never raises one)."""
+        the exception that ended it (an :class:`ApiError` for an HTTP or transport failure);
+        raises nothing but its own cancellation."""
         try:
             async with self._http.stream("POST", "/v1/chat/completions", json=body,
                                          headers=headers) as r:
